@@ -1,0 +1,81 @@
+"""Build a local engine (target runner + proposer + tokenizer) from one validated config."""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cluster import models
+from cluster.errors import ConfigError
+from cluster.runner import TorchModelRunner
+from cluster.speculate import SpeculativeDecoder
+from drafts.draft_model import DraftModelProposer, quantized_copy
+from drafts.ngram import NGramProposer
+from drafts.proposer import Proposer
+
+log = logging.getLogger(__name__)
+
+INT8_DRAFT = "int8"
+
+
+class EngineConfig(BaseModel):
+    """What runs where in one process."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str = Field("default", description="Target model: 'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory.")
+    proposer: Literal["draft", "ngram", "none"] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model) or 'none' (plain target decoding).")
+    draft: str = Field(INT8_DRAFT, description="Draft model for proposer 'draft': 'int8' (int8 dynamic-quantized copy of the target) or a local model directory with the target's tokenizer.")
+    num_speculative_tokens: int = Field(4, ge=0, le=32, description="Tokens drafted per round (γ); 0 is plain target decoding.")
+    dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Target (and model draft) dtype; the int8 draft computes in float32.")
+    device: str | None = Field(None, description="torch device; CUDA when visible, else CPU.")
+    threads: int | None = Field(1, ge=1, description="torch intra-op threads for this process (None leaves torch's default).")
+    cache_dir: str | None = Field(None, description="Model cache root (default $TANDEM_CACHE_DIR or ~/.cache/tandem).")
+    max_ngram: int = Field(3, ge=1, le=16, description="Longest n-gram the prompt-lookup proposer matches.")
+
+    @classmethod
+    def build(cls, **kwargs) -> "EngineConfig":
+        try:
+            return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = ".".join(str(x) for x in first["loc"])
+            raise ConfigError(f"{field}: {first['msg']}") from None
+
+
+def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_tokenizer) -> Proposer | None:
+    if config.proposer == "none" or config.num_speculative_tokens == 0:
+        return None
+    if config.proposer == "ngram":
+        return NGramProposer(max_ngram=config.max_ngram)
+    if config.draft == INT8_DRAFT:
+        draft_model = quantized_copy(target_model)
+    else:
+        path = models.resolve_model_path(config.draft, config.cache_dir)
+        models.check_same_tokenizer(target_tokenizer, models.load_tokenizer(path), str(path))
+        draft_model = models.load_causal_lm(path, config.dtype, config.device)
+    return DraftModelProposer(TorchModelRunner(draft_model, name="draft"))
+
+
+def build_decoder(config: EngineConfig) -> SpeculativeDecoder:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    path = models.resolve_model_path(config.target, config.cache_dir)
+    tokenizer = models.load_tokenizer(path)
+    target_model = models.load_causal_lm(path, config.dtype, config.device)
+    proposer = make_proposer(config, target_model, tokenizer)
+    log.info("engine: target=%s proposer=%s γ=%d dtype=%s", path, config.proposer,
+             config.num_speculative_tokens, config.dtype)
+    return SpeculativeDecoder(TorchModelRunner(target_model, name="target"), proposer, tokenizer,
+                              config.num_speculative_tokens)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    if chat:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return list(tokenizer(prompt)["input_ids"])

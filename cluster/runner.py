@@ -1,0 +1,225 @@
+"""The torch model runner: one causal LM, many sessions, each with its own KV cache.
+
+Verbs: `add_session`, `extend(session, token_ids) -> logits for the new positions`, `truncate(session,
+length)` (rollback: moves a cursor, never copies), `release`. `extend_batch` extends several sessions
+in one forward pass. The model definition is Hugging Face `transformers`' own; the runner only owns
+the cache layout (a growable buffer with a length cursor per layer, gpt-fast style).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from cluster.errors import InvalidRequestError, TandemError
+
+SessionId = Hashable
+
+
+class UnknownSessionError(TandemError, KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class CursorLayer(DynamicLayer):
+    """One layer's keys/values in a buffer that grows by doubling; `length` is the valid prefix.
+
+    `crop` moves the cursor back (rollback without copying); `update` writes at the cursor.
+    """
+
+    def __init__(self, capacity: int = 256):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, head_dim = key_states.shape
+        self.keys = key_states.new_empty(batch, heads, self.capacity, head_dim)  # [B, H, cap, D]
+        self.values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        self.length = 0
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.keys.shape[-2])
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[-1])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            self._grow(end)
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # transformers' convention: a negative value removes that many tokens; positive is a length.
+        new_length = self.length + tokens_to_remove if tokens_to_remove < 0 else min(self.length, tokens_to_remove)
+        self.length = max(0, new_length)
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def _new_cache(num_layers: int, capacity: int = 256) -> Cache:
+    return Cache(layers=[CursorLayer(capacity) for _ in range(num_layers)])
+
+
+@dataclass
+class _Session:
+    cache: Cache
+
+    @property
+    def length(self) -> int:
+        return self.cache.layers[0].get_seq_length()
+
+
+class TorchModelRunner:
+    """Runs one Hugging Face causal LM on CPU or CUDA for many sessions."""
+
+    def __init__(self, model: torch.nn.Module, name: str = "model"):
+        self.model = model.eval()
+        self.name = name
+        config = model.config.get_text_config(decoder=True)
+        self.num_layers: int = config.num_hidden_layers
+        self.vocab_size: int = config.vocab_size
+        self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.device: torch.device = next(model.parameters()).device
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        self._sessions: dict[SessionId, _Session] = {}
+        self._ids = itertools.count()
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def add_session(self, session: SessionId | None = None) -> SessionId:
+        session = next(self._ids) if session is None else session
+        if session in self._sessions:
+            raise InvalidRequestError(f"session {session!r} already exists on {self.name}")
+        self._sessions[session] = _Session(_new_cache(self.num_layers))
+        return session
+
+    def _get(self, session: SessionId) -> _Session:
+        try:
+            return self._sessions[session]
+        except KeyError:
+            raise UnknownSessionError(f"unknown session {session!r} on {self.name}") from None
+
+    def has_session(self, session: SessionId) -> bool:
+        return session in self._sessions
+
+    def length(self, session: SessionId) -> int:
+        return self._get(session).length
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def truncate(self, session: SessionId, length: int) -> None:
+        """Roll back to the first `length` tokens: moves each layer's cursor."""
+        state = self._get(session)
+        if not 0 <= length <= state.length:
+            raise ValueError(f"cannot truncate session {session!r} of length {state.length} to {length}")
+        state.cache.crop(length)
+
+    def release(self, session: SessionId) -> None:
+        self._sessions.pop(session, None)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _check_room(self, state: _Session, session: SessionId, n: int) -> None:
+        if state.length + n > self.max_context:
+            raise InvalidRequestError(
+                f"session {session!r} would reach {state.length + n} tokens, over the "
+                f"{self.max_context}-token context of {self.name}"
+            )
+
+    @torch.inference_mode()
+    def extend(self, session: SessionId, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
+        """Append `token_ids` to the session; return float32 logits of the last `num_logits` new
+        positions (all of them by default)  # [num_logits, vocab_size]"""
+        state = self._get(session)
+        n = len(token_ids)
+        if n == 0:
+            return torch.empty(0, self.vocab_size)
+        self._check_room(state, session, n)
+        num_logits = n if num_logits is None else min(num_logits, n)
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        start = state.length
+        position_ids = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
+        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=state.cache,
+                         use_cache=True, logits_to_keep=max(num_logits, 1))
+        logits = out.logits[0].float()  # [max(num_logits, 1), vocab_size]
+        return logits[logits.shape[0] - num_logits :]
+
+    @torch.inference_mode()
+    def extend_batch(self, requests: Mapping[SessionId, Sequence[int]],
+                     num_logits: Mapping[SessionId, int] | None = None) -> dict[SessionId, torch.Tensor]:
+        """Extend several sessions in one forward pass.
+
+        Cached keys/values are left-padded to a common length and new tokens right-padded; an
+        attention mask hides the padding and position ids keep each session's own positions.
+        """
+        requests = {s: list(t) for s, t in requests.items() if len(t) > 0}
+        if len(requests) <= 1:
+            return {s: self.extend(s, t, (num_logits or {}).get(s)) for s, t in requests.items()}
+        sessions = list(requests)
+        states = [self._get(s) for s in sessions]
+        for s, state in zip(sessions, states):
+            self._check_room(state, s, len(requests[s]))
+        lengths = [state.length for state in states]
+        counts = [len(requests[s]) for s in sessions]
+        keep = [min((num_logits or {}).get(s, counts[i]), counts[i]) for i, s in enumerate(sessions)]
+        batch, past, new = len(sessions), max(lengths), max(counts)
+        dev = self.device
+
+        input_ids = torch.zeros(batch, new, dtype=torch.long, device=dev)  # [B, new]
+        position_ids = torch.zeros(batch, new, dtype=torch.long, device=dev)  # [B, new]
+        attention_mask = torch.zeros(batch, past + new, dtype=torch.long, device=dev)  # [B, past + new]
+        for i, s in enumerate(sessions):
+            input_ids[i, : counts[i]] = torch.tensor(requests[s], device=dev)
+            position_ids[i] = torch.arange(lengths[i], lengths[i] + new, device=dev)
+            attention_mask[i, past - lengths[i] : past + counts[i]] = 1
+
+        cache = _new_cache(self.num_layers, capacity=past + new)
+        if past > 0:
+            for layer_idx, layer in enumerate(cache.layers):
+                first = states[0].cache.layers[layer_idx]
+                keys = first.keys.new_zeros(batch, first.keys.shape[1], past, first.keys.shape[-1])  # [B, H, past, D]
+                values = first.values.new_zeros(batch, first.values.shape[1], past, first.values.shape[-1])
+                for i, state in enumerate(states):
+                    src = state.cache.layers[layer_idx]
+                    if lengths[i]:
+                        keys[i, :, past - lengths[i] :] = src.keys[0, :, : lengths[i]]
+                        values[i, :, past - lengths[i] :] = src.values[0, :, : lengths[i]]
+                layer.update(keys, values)
+
+        lo = min(c - k for c, k in zip(counts, keep))
+        hi = max(counts)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         past_key_values=cache, use_cache=True,
+                         logits_to_keep=torch.arange(lo, hi, device=dev))
+        logits = out.logits.float()  # [B, hi - lo, vocab_size]
+
+        results: dict[SessionId, torch.Tensor] = {}
+        for i, (s, state) in enumerate(zip(sessions, states)):
+            for layer_idx, layer in enumerate(cache.layers):
+                new_keys = layer.keys[i : i + 1, :, past : past + counts[i]]  # [1, H, n_i, D]
+                new_values = layer.values[i : i + 1, :, past : past + counts[i]]
+                state.cache.layers[layer_idx].update(new_keys, new_values)
+            results[s] = logits[i, counts[i] - keep[i] - lo : counts[i] - lo]
+        return results

@@ -1,0 +1,189 @@
+"""The speculation loop in one process: draft, verify, commit, roll back.
+
+The router of the distributed runtime drives the same pieces (runner, proposer, rejection sampler);
+here they are called in sequence. Each round the target extends the session by the last committed
+token plus the k drafts, which yields k + 1 distributions: one per draft and one for the bonus.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from cluster.errors import InvalidRequestError
+from cluster.rejection import rejection_sample
+from cluster.runner import TorchModelRunner
+from cluster.sampling import SamplingParams
+from drafts.proposer import Proposer
+
+
+@dataclass
+class SpeculationStats:
+    """Per-request speculation figures, in the project's vocabulary."""
+
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # accepted at draft position i
+    drafted_per_position: list[int] = field(default_factory=list)  # drafted at draft position i
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verification round (accepted + recovered/bonus)."""
+        return self.num_generated_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode_s = self.total_s - self.prefill_s
+        return self.num_generated_tokens / decode_s if decode_s > 0 else 0.0
+
+    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        while len(self.drafted_per_position) < num_drafted:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < num_accepted)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                   tokens_per_s=self.tokens_per_s)
+        return out
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids (EOS included when it ended the sequence)
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: SpeculationStats
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding of one request at a time on a local target runner.
+
+    `num_speculative_tokens` (γ) = 0, or `proposer=None`, is plain target decoding.
+    """
+
+    def __init__(self, target: TorchModelRunner, proposer: Proposer | None, tokenizer=None,
+                 num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] | None = None):
+        if num_speculative_tokens < 0:
+            raise InvalidRequestError(f"{num_speculative_tokens=} must be >= 0")
+        self.target = target
+        self.proposer = proposer
+        self.tokenizer = tokenizer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        if eos_token_ids is None:
+            eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+            eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = set(eos_token_ids)
+        self._ids = itertools.count()
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if len(prompt_ids) == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.target.max_context:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context length of {self.target.max_context} tokens"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer")
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        prompt_ids = list(prompt_ids)
+        self.validate(prompt_ids, params)
+        params = params.with_seed()
+        session = ("local", next(self._ids))
+        stats = SpeculationStats(num_prompt_tokens=len(prompt_ids))
+        t_start = time.perf_counter()
+        self.target.add_session(session)
+        if self.proposer is not None:
+            self.proposer.start(session, prompt_ids, params)
+        try:
+            if len(prompt_ids) > 1:  # the last prompt token is fed with the first round's drafts
+                self.target.extend(session, prompt_ids[:-1], num_logits=0)
+            stats.prefill_s = time.perf_counter() - t_start
+            result = self._decode(session, prompt_ids, params, stats)
+        finally:
+            self.target.release(session)
+            if self.proposer is not None:
+                self.proposer.release(session)
+        stats.total_s = time.perf_counter() - t_start
+        return result
+
+    def _decode(self, session, prompt_ids: list[int], params: SamplingParams,
+                stats: SpeculationStats) -> GenerationResult:
+        committed = list(prompt_ids)  # the source of truth; the target caches all but the last
+        output: list[int] = []
+        finish_reason = "length"
+        while len(output) < params.max_tokens:
+            k = min(self.num_speculative_tokens, params.max_tokens - len(output) - 1)
+            t0 = time.perf_counter()
+            proposal = self.proposer.propose(session, k) if k > 0 else None
+            drafts = proposal.token_ids if proposal else []
+            t1 = time.perf_counter()
+            target_logits = self.target.extend(session, [committed[-1], *drafts])  # [k + 1, vocab_size]
+            result = rejection_sample(drafts, target_logits, proposal.draft_probs if proposal else None,
+                                      params, start_position=len(committed))
+            stats.draft_s += t1 - t0
+            stats.verify_s += time.perf_counter() - t1
+
+            base = len(committed)
+            self.target.truncate(session, base + result.num_accepted)  # drop the rejected drafts' KV
+            if self.proposer is not None:
+                self.proposer.rollback(session, base + result.num_accepted, result.output_token_ids[-1:])
+                self.proposer.learn(session, len(drafts), result.num_accepted)
+            stats.record_round(len(drafts), result.num_accepted)
+
+            new_tokens = result.output_token_ids
+            if not params.ignore_eos:
+                for i, token in enumerate(new_tokens):
+                    if token in self.eos_token_ids:
+                        new_tokens, finish_reason = new_tokens[: i + 1], "stop"
+                        break
+            committed.extend(new_tokens)
+            output.extend(new_tokens)
+            if params.stop:
+                cut = self._find_stop(output, len(new_tokens), params.stop)
+                if cut is not None:
+                    output, finish_reason = output[:cut], "stop"
+            if finish_reason == "stop":
+                break
+        stats.num_generated_tokens = len(output)
+        return GenerationResult(output, self._text(output, params.stop), finish_reason, stats)
+
+    def _find_stop(self, output: list[int], num_new: int, stop: list[str]) -> int | None:
+        """Smallest token count whose text contains a stop string, looking only at new tokens."""
+        for end in range(len(output) - num_new + 1, len(output) + 1):
+            text = self.tokenizer.decode(output[:end], skip_special_tokens=True)
+            if any(s in text for s in stop):
+                return end
+        return None
+
+    def _text(self, output: list[int], stop: list[str]) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(output, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stop if s in text]
+        return text[: min(cuts)] if cuts else text

@@ -1,0 +1,36 @@
+"""Prompt lookup (n-gram) proposer: no model. Finds the latest earlier occurrence of the sequence's
+last n tokens and proposes what followed it (longest n first). Deterministic: q is one-hot."""
+
+from __future__ import annotations
+
+from cluster.errors import ConfigError
+from drafts.proposer import DraftProposal, SequenceProposer, SessionId
+
+
+def ngram_lookup(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to `k` tokens that followed the most recent earlier match of the last n tokens."""
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        pattern = tokens[length - n :]
+        first = pattern[0]
+        # scan right to left for the latest match that has at least one token after it
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start] == first and tokens[start : start + n] == pattern:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+class NGramProposer(SequenceProposer):
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        super().__init__()
+        if not 1 <= min_ngram <= max_ngram:
+            raise ConfigError(f"need 1 <= {min_ngram=} <= {max_ngram=}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, session: SessionId, k: int) -> DraftProposal:
+        tokens = self.tokens(session)
+        draft = ngram_lookup(tokens, k, self.max_ngram, self.min_ngram) if k > 0 else []
+        tokens.extend(draft)  # the proposer's own optimistic sequence
+        return DraftProposal(draft, None)

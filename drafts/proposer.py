@@ -1,0 +1,88 @@
+"""The `Proposer` protocol: everything that proposes tokens has the same verbs.
+
+A proposer keeps, per session, its own optimistic copy of the sequence (committed tokens plus what
+it drafted since). `propose` continues that sequence; `rollback` tells it the truth after a round
+(keep the first `length` tokens, then append the recovered or bonus token); `learn` reports how
+many drafts were accepted, for proposers that adapt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Hashable, Protocol, runtime_checkable
+
+import torch
+
+from cluster.errors import InvalidRequestError
+from cluster.sampling import SamplingParams
+
+SessionId = Hashable
+
+
+@dataclass
+class DraftProposal:
+    token_ids: list[int]  # [k]
+    draft_probs: torch.Tensor | None = None  # [k, vocab_size]; None for a deterministic proposer
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    name: str
+
+    def start(self, session: SessionId, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Open a session whose committed tokens are `prompt_ids`."""
+
+    def propose(self, session: SessionId, k: int) -> DraftProposal:
+        """Up to `k` tokens continuing the session's own sequence (fewer when it has no guess)."""
+
+    def rollback(self, session: SessionId, length: int, token_ids: Sequence[int] = ()) -> None:
+        """Keep the first `length` tokens of the sequence, then append `token_ids`."""
+
+    def learn(self, session: SessionId, num_drafted: int, num_accepted: int) -> None:
+        """Feedback after verification of a round."""
+
+    def release(self, session: SessionId) -> None:
+        """Forget the session."""
+
+
+class SequenceProposer:
+    """Base class: tracks each session's sequence and sampling parameters."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self._tokens: dict[SessionId, list[int]] = {}
+        self._params: dict[SessionId, SamplingParams] = {}
+
+    def start(self, session: SessionId, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if session in self._tokens:
+            raise InvalidRequestError(f"session {session!r} already started on proposer {self.name}")
+        self._tokens[session] = list(prompt_ids)
+        self._params[session] = params
+
+    def tokens(self, session: SessionId) -> list[int]:
+        try:
+            return self._tokens[session]
+        except KeyError:
+            raise InvalidRequestError(f"unknown session {session!r} on proposer {self.name}") from None
+
+    def propose(self, session: SessionId, k: int) -> DraftProposal:
+        raise NotImplementedError
+
+    def rollback(self, session: SessionId, length: int, token_ids: Sequence[int] = ()) -> None:
+        tokens = self.tokens(session)
+        if not 0 <= length <= len(tokens):
+            raise ValueError(f"cannot roll session {session!r} of length {len(tokens)} back to {length}")
+        del tokens[length:]
+        tokens.extend(token_ids)
+
+    def learn(self, session: SessionId, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def release(self, session: SessionId) -> None:
+        self._tokens.pop(session, None)
+        self._params.pop(session, None)

@@ -28,6 +28,7 @@ class SpeculationStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # rounds that ended in a recovered token
     accepted_per_position: list[int] = field(default_factory=list)  # accepted at draft position i
     drafted_per_position: list[int] = field(default_factory=list)  # drafted at draft position i
     prefill_s: float = 0.0
@@ -53,6 +54,7 @@ class SpeculationStats:
         self.rounds += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
+        self.rejections += int(num_accepted < num_drafted)
         while len(self.drafted_per_position) < num_drafted:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)

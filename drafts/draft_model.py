@@ -6,6 +6,7 @@ The zero-training default is an int8 dynamic-quantized copy of the target (`quan
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +19,9 @@ from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 def quantized_copy(model: torch.nn.Module) -> torch.nn.Module:
     """An int8 dynamic-quantized copy of `model` (CPU; activations stay fp32)."""
     draft = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
-    return torch.ao.quantization.quantize_dynamic(draft, {torch.nn.Linear}, dtype=torch.qint8)
+    with warnings.catch_warnings():  # torch deprecates quantized tensors in favour of torchao
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.ao.quantization.quantize_dynamic(draft, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 class DraftModelProposer(SequenceProposer):

@@ -1,0 +1,213 @@
+"""`tandem bench`: single-process speculative decoding against target-only decoding, side by side.
+
+Every mode runs in one process on the same weights, dtype and torch threads, one prompt at a time,
+and is timed end to end (prefill included). Ratios are what matter on a shared, noisy machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster import models
+from cluster.engine import encode_prompt
+from cluster.runner import TorchModelRunner
+from cluster.sampling import SamplingParams
+from cluster.speculate import SpeculationStats, SpeculativeDecoder
+from cluster.workloads import workload
+from drafts.draft_model import DraftModelProposer, quantized_copy
+from drafts.ngram import NGramProposer
+
+log = logging.getLogger(__name__)
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """E = (1 - α^(γ+1)) / (1 - α): tokens per verification round (Leviathan et al. 2023)."""
+    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def effective_alpha(tokens_per_round: float, gamma: int) -> float:
+    """The α for which E(α, γ) equals the measured tokens per round (bisection).
+
+    Acceptances are not independent across draft positions (easy stretches are accepted whole), so
+    neither accepted ÷ drafted nor the first-position rate reproduces the measured E; this does.
+    """
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_round(mid, gamma) < tokens_per_round else (lo, mid)
+    return (lo + hi) / 2
+
+
+def predicted_sequential_speedup(alpha: float, gamma: int, c: float) -> float:
+    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0)
+
+
+def predicted_pipelined_speedup(alpha: float, gamma: int, c: float) -> float:
+    return expected_tokens_per_round(alpha, gamma) / max(1.0, gamma * c)
+
+
+@dataclass
+class ModeResult:
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _merge(total: SpeculationStats, one: SpeculationStats) -> None:
+    for name in ("num_prompt_tokens", "num_generated_tokens", "rounds", "drafted", "accepted", "rejections",
+                 "prefill_s", "draft_s", "verify_s", "total_s"):
+        setattr(total, name, getattr(total, name) + getattr(one, name))
+    for i, (d, a) in enumerate(zip(one.drafted_per_position, one.accepted_per_position)):
+        if i >= len(total.drafted_per_position):
+            total.drafted_per_position.append(0)
+            total.accepted_per_position.append(0)
+        total.drafted_per_position[i] += d
+        total.accepted_per_position[i] += a
+
+
+def _run_decoder(decoder: SpeculativeDecoder, prompts: list[list[int]], params: SamplingParams) -> ModeResult:
+    result = ModeResult()
+    for ids in prompts:
+        t0 = time.perf_counter()
+        out = decoder.generate(ids, params)
+        result.seconds += time.perf_counter() - t0
+        result.tokens += len(out.token_ids)
+        result.outputs.append(out.token_ids)
+        _merge(result.stats, out.stats)
+    return result
+
+
+def _run_hf(model, prompts: list[list[int]], max_tokens: int, **generate_kwargs) -> ModeResult:
+    result = ModeResult()
+    for ids in prompts:
+        input_ids = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                 max_new_tokens=max_tokens, **generate_kwargs)
+        result.seconds += time.perf_counter() - t0
+        generated = out[0, len(ids):].tolist()
+        result.tokens += len(generated)
+        result.outputs.append(generated)
+    return result
+
+
+def _first_divergence_gap(target: TorchModelRunner, prompt: list[int], a: list[int], b: list[int]) -> float | None:
+    """Top-2 logit gap of the target where outputs `a` and `b` first differ (None if they agree)."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if n is None:
+        return None
+    session = target.add_session()
+    try:
+        logits = target.extend(session, prompt + a[:n], num_logits=1)[0]
+    finally:
+        target.release(session)
+    top2 = torch.topk(logits, 2).values
+    return float(top2[0] - top2[1])
+
+
+def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: int = 4,
+              dtype: str = "bfloat16", threads: int = 1, cache_dir: str | None = None,
+              include_hf: bool = True) -> dict:
+    torch.set_num_threads(threads)
+    path = models.prepare_default_model(cache_dir)
+    tokenizer = models.load_tokenizer(path)
+    target_model = models.load_causal_lm(path, dtype, "cpu")
+    target = TorchModelRunner(target_model, name="target")
+    draft_model = quantized_copy(target_model)
+    draft_model.generation_config.num_assistant_tokens = gamma
+    draft_model.generation_config.num_assistant_tokens_schedule = "constant"
+    draft_model.generation_config.assistant_confidence_threshold = 0.0
+    params = SamplingParams.build(max_tokens=max_tokens)
+    spec_modes = {
+        "draft_int8": lambda: SpeculativeDecoder(target, DraftModelProposer(TorchModelRunner(draft_model, "draft")),
+                                                 tokenizer, gamma),
+        "ngram": lambda: SpeculativeDecoder(target, NGramProposer(), tokenizer, gamma),
+    }
+    report: dict = {"config": {"dtype": dtype, "threads": threads, "num_speculative_tokens": gamma,
+                               "max_tokens": max_tokens, "prompts": num_prompts}, "workloads": {}}
+    for name in workloads:
+        texts, chat = workload(name, num_prompts)
+        prompts = [encode_prompt(tokenizer, t, chat) for t in texts]
+        plain = SpeculativeDecoder(target, None, tokenizer, 0)
+        plain.generate(prompts[0], params.model_copy(update={"max_tokens": 8}))  # warm-up
+        modes: dict[str, ModeResult] = {"target_only": _run_decoder(plain, prompts, params)}
+        base = modes["target_only"]
+        step_s = (base.stats.total_s - base.stats.prefill_s) / max(1, base.stats.num_generated_tokens)
+        entry: dict = {"prompts": len(prompts), "target_step_ms": step_s * 1e3}
+        if include_hf:
+            modes["hf_generate"] = _run_hf(target_model, prompts, max_tokens)
+            modes["hf_assisted_draft_int8"] = _run_hf(target_model, prompts, max_tokens, assistant_model=draft_model)
+            modes["hf_prompt_lookup"] = _run_hf(target_model, prompts, max_tokens, prompt_lookup_num_tokens=gamma)
+        for mode, make in spec_modes.items():
+            modes[mode] = _run_decoder(make(), prompts, params)
+
+        for mode, result in modes.items():
+            row = {"tokens": result.tokens, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s,
+                   "speedup": result.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0}
+            diverged = [i for i, out in enumerate(result.outputs) if out != base.outputs[i]]
+            row["diverged_prompts"] = len(diverged)
+            row["divergence_rate"] = len(diverged) / len(prompts)
+            row["divergence_top2_gaps"] = [_first_divergence_gap(target, prompts[i], base.outputs[i], result.outputs[i])
+                                           for i in diverged]
+            s = result.stats
+            if mode in spec_modes:
+                c = (s.draft_s / s.drafted) / step_s if s.drafted else 0.0
+                alpha = effective_alpha(s.mean_accepted_length, gamma)
+                predicted = predicted_sequential_speedup(alpha, gamma, c)
+                row.update(acceptance_rate=s.acceptance_rate, alpha=alpha,
+                           mean_accepted_length=s.mean_accepted_length,
+                           acceptance_per_position=[a / d if d else 0.0 for a, d in
+                                                    zip(s.accepted_per_position, s.drafted_per_position)],
+                           cost_ratio_c=c,
+                           verify_step_ratio=(s.verify_s / s.rounds) / step_s if s.rounds else 0.0,
+                           predicted_speedup=predicted,
+                           predicted_pipelined_speedup=predicted_pipelined_speedup(alpha, gamma, c),
+                           fraction_of_predicted=row["speedup"] / predicted if predicted else 0.0)
+            entry[mode] = row
+        report["workloads"][name] = entry
+    return report
+
+
+def format_report(report: dict) -> str:
+    cfg = report["config"]
+    lines = [f"dtype={cfg['dtype']} threads={cfg['threads']} γ={cfg['num_speculative_tokens']} "
+             f"max_tokens={cfg['max_tokens']} prompts={cfg['prompts']}"]
+    for name, entry in report["workloads"].items():
+        lines.append(f"\n## {name} ({entry['prompts']} prompts, target step {entry['target_step_ms']:.1f} ms)\n")
+        lines.append("| mode | tokens/s | speedup | α | accept rate | mean acc. len | c | predicted | of predicted | diverged |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for mode, row in entry.items():
+            if not isinstance(row, dict):
+                continue
+            spec = "alpha" in row
+            cells = [mode, f"{row['tokens_per_s']:.2f}", f"{row['speedup']:.2f}×",
+                     f"{row['alpha']:.2f}" if spec else "", f"{row['acceptance_rate']:.2f}" if spec else "",
+                     f"{row['mean_accepted_length']:.2f}" if spec else "", f"{row['cost_ratio_c']:.3f}" if spec else "",
+                     f"{row['predicted_speedup']:.2f}×" if spec else "",
+                     f"{row['fraction_of_predicted']:.0%}" if spec else "",
+                     f"{row['diverged_prompts']}/{entry['prompts']}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        for mode, row in entry.items():
+            if isinstance(row, dict) and "acceptance_per_position" in row:
+                per_pos = ", ".join(f"{x:.2f}" for x in row["acceptance_per_position"])
+                gaps = ", ".join(f"{g:.3f}" for g in row["divergence_top2_gaps"] if g is not None) or "none"
+                lines.append(f"\n{mode}: acceptance by position [{per_pos}]; verify step / target step "
+                             f"{row['verify_step_ratio']:.2f}; pipelined bound {row['predicted_pipelined_speedup']:.2f}×; "
+                             f"top-2 logit gaps at divergences: {gaps}")
+    return "\n".join(lines)
+
+
+def write_json(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)

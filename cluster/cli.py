@@ -1,0 +1,125 @@
+"""The `tandem` command line: models, generate, bench. Errors are one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Lossless speculative decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models_p = sub.add_parser("models", help="manage model files")
+    models_sub = models_p.add_subparsers(dest="models_command", required=True)
+    prepare = models_sub.add_parser("prepare", help="materialise SmolLM2-135M-Instruct into the cache; print its path")
+    prepare.add_argument("--cache-dir", help="cache root (default $TANDEM_CACHE_DIR or ~/.cache/tandem)")
+    prepare.add_argument("--force", action="store_true", help="rebuild even if present")
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _engine_args(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser("bench", help="speculative vs target-only decoding, side by side")
+    bench.add_argument("--workload", choices=["humaneval", "chat", "all"], default="all")
+    bench.add_argument("--prompts", type=int, default=10, help="prompts per workload")
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--num-speculative-tokens", type=int, default=4)
+    bench.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads (pinned)")
+    bench.add_argument("--cache-dir")
+    bench.add_argument("--no-hf", action="store_true", help="skip the transformers reference modes")
+    bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    return parser
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF model dir")
+    p.add_argument("--proposer", default="draft", help="draft | ngram | none")
+    p.add_argument("--draft", default="int8", help="'int8' (quantized copy of the target) or a local HF model dir")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cache-dir")
+
+
+def _generate(args) -> int:
+    from cluster.engine import EngineConfig, build_decoder, encode_prompt
+    from cluster.errors import InvalidRequestError
+    from cluster.sampling import SamplingParams
+
+    params = SamplingParams.build(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  top_k=args.top_k, seed=args.seed, stop=args.stop)
+    if not args.prompt:
+        raise InvalidRequestError("the prompt is empty")
+    config = EngineConfig.build(target=args.target, proposer=args.proposer, draft=args.draft,
+                                num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
+                                threads=args.threads, cache_dir=args.cache_dir)
+    decoder = build_decoder(config)
+    result = decoder.generate(encode_prompt(decoder.tokenizer, args.prompt, args.chat), params)
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                          "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
+    else:
+        print(result.text)
+        s = result.stats
+        print(f"[{s.num_generated_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, acceptance rate "
+              f"{s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}]", file=sys.stderr)
+    return 0
+
+
+def _bench(args) -> int:
+    from cluster.bench import format_report, run_bench, write_json
+
+    workloads = ["humaneval", "chat"] if args.workload == "all" else [args.workload]
+    report = run_bench(workloads, args.prompts, args.max_tokens, args.num_speculative_tokens, args.dtype,
+                       args.threads, args.cache_dir, include_hf=not args.no_hf)
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    from cluster.errors import TandemError
+
+    try:
+        if args.command == "models":
+            from cluster.models import prepare_default_model
+
+            print(prepare_default_model(args.cache_dir, force=args.force))
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+        return _bench(args)
+    except TandemError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,7 @@ def quantized_copy(model: torch.nn.Module) -> torch.nn.Module:
     draft = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
     with warnings.catch_warnings():  # torch deprecates quantized tensors in favour of torchao
         warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         return torch.ao.quantization.quantize_dynamic(draft, {torch.nn.Linear}, dtype=torch.qint8)
 
 

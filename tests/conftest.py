@@ -1,0 +1,47 @@
+"""Shared fixtures. Everything runs on CPU with the real SmolLM2 weights (fp32 for exactness)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from cluster import models
+from cluster.runner import TorchModelRunner
+from drafts.draft_model import quantized_copy
+
+torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return models.prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    return models.load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def target_fp32(model_dir):
+    return models.load_causal_lm(model_dir, "float32", "cpu")
+
+
+@pytest.fixture(scope="session")
+def draft_int8(target_fp32):
+    return quantized_copy(target_fp32)
+
+
+@pytest.fixture()
+def target_runner(target_fp32):
+    return TorchModelRunner(target_fp32, name="target")
+
+
+@pytest.fixture()
+def draft_runner(draft_int8):
+    return TorchModelRunner(draft_int8, name="draft")

@@ -1,0 +1,46 @@
+"""Test-only proposers and tiny models."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from drafts.proposer import DraftProposal, SequenceProposer
+
+
+class OracleProposer(SequenceProposer):
+    """Knows the reference continuation of each prompt. `wrong=False`: always right (proposes the
+    reference); `wrong=True`: always wrong (proposes a token that is never the reference's)."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, wrong: bool = False):
+        super().__init__()
+        self.references, self.vocab_size, self.wrong = references, vocab_size, wrong
+        self.name = "always-wrong" if wrong else "always-right"
+        self._prompt_len: dict = {}
+
+    def start(self, session, prompt_ids, params):
+        super().start(session, prompt_ids, params)
+        self._prompt_len[session] = len(prompt_ids)
+
+    def propose(self, session, k):
+        tokens = self.tokens(session)
+        n = self._prompt_len[session]
+        full = list(tokens[:n]) + self.references[tuple(tokens[:n])]
+        nxt = full[len(tokens) : len(tokens) + k]
+        if self.wrong:
+            nxt = [(t + 1) % self.vocab_size for t in nxt]
+        tokens.extend(nxt)
+        return DraftProposal(nxt, None)
+
+
+def tiny_llama(seed: int, vocab_size: int = 10, sharpness: float = 8.0) -> LlamaForCausalLM:
+    """A small random Llama whose next-token distributions are peaked (so p and q differ clearly)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+    model.generation_config.eos_token_id = None
+    return model

@@ -1,0 +1,131 @@
+"""Greedy output is token-identical to transformers' generate(do_sample=False), in fp32, for every
+proposer, an always-right and an always-wrong drafter; EOS and max_tokens stops included."""
+
+from __future__ import annotations
+
+import inspect
+import json.decoder
+
+import pytest
+import torch
+
+from cluster.engine import encode_prompt
+from cluster.sampling import SamplingParams
+from cluster.speculate import SpeculativeDecoder
+from drafts.draft_model import DraftModelProposer
+from drafts.ngram import NGramProposer
+from tests.helpers import OracleProposer
+
+MAX_TOKENS = 64
+
+
+def _long_code_prompt() -> str:
+    return inspect.getsource(json.decoder)[:1900] + "\n\ndef parse_number(text):\n"
+
+
+def _long_prose_prompt() -> str:
+    paragraph = ("The river wound through the valley, past orchards and old stone mills, carrying the "
+                 "snowmelt of the mountains down towards the sea. Every spring the villagers gathered on "
+                 "its banks to mark the return of the swallows. ")
+    return paragraph * 9 + "That year, however,"
+
+
+PROMPTS = [  # (text, chat template?)
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ("from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+     "    \"\"\" Check if any two numbers are closer than threshold.\"\"\"\n", False),
+    ("import os\n\nfor root, dirs, files in os.walk('.'):\n", False),
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
+    (_long_code_prompt(), False),
+    ("Once upon a time, in a small village by the sea,", False),
+    ("The three most important inventions of the twentieth century are", False),
+    (_long_prose_prompt(), False),
+    ("What is the capital of France?", True),
+    ("Write a short poem about the moon.", True),
+    ("Explain recursion to a beginner.", True),
+    ("List three fruits.", True),
+]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return [encode_prompt(tokenizer, text, chat) for text, chat in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def references(target_fp32, prompt_ids):
+    refs = {}
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = target_fp32.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       do_sample=False, max_new_tokens=MAX_TOKENS)
+            refs[tuple(ids)] = out[0, len(ids):].tolist()
+    return refs
+
+
+def test_workload_covers_long_contexts_and_both_stops(prompt_ids, references, target_fp32):
+    assert max(len(ids) for ids in prompt_ids) >= 450
+    eos = target_fp32.generation_config.eos_token_id
+    endings = [ref[-1] == eos and len(ref) < MAX_TOKENS for ref in references.values()]
+    assert any(endings), "no prompt ends with EOS: the EOS stop is not exercised"
+    assert not all(endings), "every prompt ends with EOS: the max_tokens stop is not exercised"
+
+
+def _make_proposer(kind, draft_runner, references, vocab):
+    if kind == "draft":
+        return DraftModelProposer(draft_runner)
+    if kind == "ngram":
+        return NGramProposer()
+    if kind == "none":
+        return None
+    return OracleProposer(references, vocab, wrong=(kind == "always-wrong"))
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram", "none", "always-right", "always-wrong"])
+def test_greedy_equals_transformers(kind, target_runner, draft_runner, tokenizer, prompt_ids, references):
+    proposer = _make_proposer(kind, draft_runner, references, target_runner.vocab_size)
+    decoder = SpeculativeDecoder(target_runner, proposer, tokenizer, num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    drafted = accepted = 0
+    for ids in prompt_ids:
+        result = decoder.generate(ids, params)
+        reference = references[tuple(ids)]
+        assert result.token_ids == reference, f"{kind}: diverged on prompt {ids[:8]}..."
+        assert result.finish_reason == ("length" if len(reference) == MAX_TOKENS and reference[-1] != 2 else "stop")
+        drafted += result.stats.drafted
+        accepted += result.stats.accepted
+    assert target_runner.num_sessions == 0, "sessions must be released"
+    if kind == "always-right":
+        assert accepted == drafted > 0
+    if kind == "always-wrong":
+        assert accepted == 0 and drafted > 0
+    if kind == "draft":
+        assert accepted > 0.3 * drafted
+
+
+@pytest.mark.parametrize("gamma", [1, 8])
+def test_greedy_equality_other_draft_lengths(gamma, target_runner, draft_runner, tokenizer, prompt_ids, references):
+    decoder = SpeculativeDecoder(target_runner, DraftModelProposer(draft_runner), tokenizer, gamma)
+    for ids in prompt_ids[:3] + prompt_ids[8:9]:
+        assert decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)).token_ids == references[tuple(ids)]
+
+
+def test_max_tokens_cuts_exactly(target_runner, draft_runner, tokenizer, prompt_ids, references):
+    decoder = SpeculativeDecoder(target_runner, DraftModelProposer(draft_runner), tokenizer, 4)
+    ids = prompt_ids[0]
+    for n in (1, 2, 17):
+        result = decoder.generate(ids, SamplingParams(max_tokens=n))
+        assert result.token_ids == references[tuple(ids)][:n] and result.finish_reason == "length"
+
+
+def test_stop_strings_end_the_text(target_runner, tokenizer, prompt_ids, references):
+    decoder = SpeculativeDecoder(target_runner, NGramProposer(), tokenizer, 4)
+    ids = prompt_ids[5]
+    full = tokenizer.decode(references[tuple(ids)], skip_special_tokens=True)
+    stop = full[20:24]
+    assert stop.strip(), "pick a visible stop string"
+    result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, stop=[stop]))
+    assert result.finish_reason == "stop"
+    assert result.text == full[: full.find(stop)]
+    assert result.token_ids == references[tuple(ids)][: len(result.token_ids)]
+    assert stop in tokenizer.decode(result.token_ids) and stop not in tokenizer.decode(result.token_ids[:-1])

@@ -33,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _engine_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--distributed", action="store_true", help="run on a local Ray cluster (drafter actor, gRPC verifiers)")
+    gen.add_argument("--pipeline-depth", type=int, default=2, help="with --distributed: rounds in flight (1 = sequential)")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, help="with --distributed: target ranks per replica")
+    gen.add_argument("--replicas", type=int, default=1, help="with --distributed: verifier replicas")
 
     bench = sub.add_parser("bench", help="speculative vs target-only decoding, side by side")
     bench.add_argument("--workload", choices=["humaneval", "chat", "all"], default="all")
@@ -44,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache-dir")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers reference modes")
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    bench.add_argument("--distributed", action="store_true",
+                       help="target-only vs sequential vs pipelined through Ray + gRPC (workload humaneval unless set)")
+    bench.add_argument("--proposer", default="draft", help="with --distributed: draft | ngram")
+    bench.add_argument("--concurrency", default="1,4,16", help="with --distributed: session counts for throughput")
     return parser
 
 
@@ -69,8 +77,19 @@ def _generate(args) -> int:
     config = EngineConfig.build(target=args.target, proposer=args.proposer, draft=args.draft,
                                 num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
                                 threads=args.threads, cache_dir=args.cache_dir)
-    decoder = build_decoder(config)
-    result = decoder.generate(encode_prompt(decoder.tokenizer, args.prompt, args.chat), params)
+    if args.distributed:
+        from cluster.runtime import ClusterConfig, TandemCluster
+
+        cluster = TandemCluster(ClusterConfig.build(engine=config, pipeline_depth=args.pipeline_depth,
+                                                    tensor_parallel_size=args.tensor_parallel_size,
+                                                    num_verifier_replicas=args.replicas))
+        try:
+            result = cluster.generate(encode_prompt(cluster.tokenizer, args.prompt, args.chat), params)
+        finally:
+            cluster.shutdown()
+    else:
+        decoder = build_decoder(config)
+        result = decoder.generate(encode_prompt(decoder.tokenizer, args.prompt, args.chat), params)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
@@ -84,6 +103,17 @@ def _generate(args) -> int:
 
 def _bench(args) -> int:
     from cluster.bench import format_report, run_bench, write_json
+
+    if args.distributed:
+        from cluster.bench_distributed import format_distributed, run_distributed_bench
+
+        report = run_distributed_bench("humaneval" if args.workload == "all" else args.workload, args.prompts,
+                                       args.max_tokens, args.num_speculative_tokens, args.dtype, args.proposer,
+                                       tuple(int(n) for n in args.concurrency.split(",")))
+        print(format_distributed(report))
+        if args.json:
+            write_json(report, args.json)
+        return 0
 
     workloads = ["humaneval", "chat"] if args.workload == "all" else [args.workload]
     report = run_bench(workloads, args.prompts, args.max_tokens, args.num_speculative_tokens, args.dtype,

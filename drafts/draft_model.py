@@ -31,9 +31,12 @@ class DraftModelProposer(SequenceProposer):
 
     name = "draft"
 
-    def __init__(self, runner: TorchModelRunner):
+    def __init__(self, runner: TorchModelRunner, max_support: int | None = None):
+        """`max_support`: sample from the draft's `max_support` most likely tokens (renormalised), so
+        q crosses the wire compactly. Any q keeps the output lossless: the verifier uses this one."""
         super().__init__()
         self.runner = runner
+        self.max_support = max_support
 
     def start(self, session: SessionId, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         super().start(session, prompt_ids, params)
@@ -42,24 +45,31 @@ class DraftModelProposer(SequenceProposer):
             self.runner.extend(session, prompt_ids[:-1], num_logits=0)
 
     def propose(self, session: SessionId, k: int) -> DraftProposal:
-        tokens = self.tokens(session)
-        params = self._params[session]
-        k = max(0, min(k, self.runner.max_context - len(tokens)))
-        draft: list[int] = []
-        rows: list[torch.Tensor] = []
-        for _ in range(k):
-            feed = tokens[self.runner.length(session) :]  # usually one token
-            logits = self.runner.extend(session, feed, num_logits=1)  # [1, vocab_size]
-            if params.greedy:
-                token = int(logits[0].argmax())
-            else:
-                q = probabilities(logits, params)[0]  # [vocab_size]
-                token = sample(q, params.seed or 0, len(tokens), RandomStream.DRAFT)
-                rows.append(q)
-            tokens.append(token)
-            draft.append(token)
-        draft_probs = torch.stack(rows) if rows else None  # [k, vocab_size]
-        return DraftProposal(draft, draft_probs)
+        return self.propose_batch({session: k})[session]
+
+    def propose_batch(self, requests: dict[SessionId, int]) -> dict[SessionId, DraftProposal]:
+        """Draft for several sessions at once: one batched forward per draft position."""
+        wanted = {s: max(0, min(k, self.runner.max_context - len(self.tokens(s)))) for s, k in requests.items()}
+        drafts: dict[SessionId, list[int]] = {s: [] for s in requests}
+        rows: dict[SessionId, list[torch.Tensor]] = {s: [] for s in requests}
+        for step in range(max(wanted.values(), default=0)):
+            active = [s for s in requests if step < wanted[s]]
+            feeds = {s: self.tokens(s)[self.runner.length(s) :] for s in active}  # usually one token each
+            logits = self.runner.extend_batch(feeds, num_logits={s: 1 for s in active})  # {s: [1, vocab]}
+            for s in active:
+                tokens, params = self.tokens(s), self._params[s]
+                if params.greedy:
+                    token = int(logits[s][0].argmax())
+                else:
+                    q = probabilities(logits[s], params)[0]  # [vocab_size]
+                    if self.max_support and self.max_support < q.shape[-1]:
+                        top = torch.topk(q, self.max_support)
+                        q = torch.zeros_like(q).scatter_(0, top.indices, top.values / top.values.sum())
+                    token = sample(q, params.seed or 0, len(tokens), RandomStream.DRAFT)
+                    rows[s].append(q)
+                tokens.append(token)
+                drafts[s].append(token)
+        return {s: DraftProposal(drafts[s], torch.stack(rows[s]) if rows[s] else None) for s in requests}
 
     def rollback(self, session: SessionId, length: int, token_ids: Sequence[int] = ()) -> None:
         super().rollback(session, length, token_ids)

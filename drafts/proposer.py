@@ -39,6 +39,9 @@ class Proposer(Protocol):
     def propose(self, session: SessionId, k: int) -> DraftProposal:
         """Up to `k` tokens continuing the session's own sequence (fewer when it has no guess)."""
 
+    def propose_batch(self, requests: dict[SessionId, int]) -> dict[SessionId, DraftProposal]:
+        """`propose` for several sessions at once."""
+
     def rollback(self, session: SessionId, length: int, token_ids: Sequence[int] = ()) -> None:
         """Keep the first `length` tokens of the sequence, then append `token_ids`."""
 
@@ -72,6 +75,10 @@ class SequenceProposer:
 
     def propose(self, session: SessionId, k: int) -> DraftProposal:
         raise NotImplementedError
+
+    def propose_batch(self, requests: dict[SessionId, int]) -> dict[SessionId, DraftProposal]:
+        """Several sessions at once; proposers that batch (draft models) override this."""
+        return {session: self.propose(session, k) for session, k in requests.items()}
 
     def rollback(self, session: SessionId, length: int, token_ids: Sequence[int] = ()) -> None:
         tokens = self.tokens(session)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -88,12 +90,19 @@ def _first_token_counts(target_logits, draft_logits, params, k, deterministic, n
     return counts
 
 
-def _assert_matches(counts, expected_probs):
-    expected = expected_probs.double().numpy() * counts.sum()
-    support = expected > 0
+def _assert_matches(counts, expected_probs, min_expected=5.0):
+    """Chi-square goodness of fit; categories expected fewer than `min_expected` times are pooled
+    (the chi-square approximation needs it)."""
+    p = expected_probs.double().numpy()
+    support = p > 0
     assert counts[~support].sum() == 0, "sampled a token the target gives probability 0"
-    expected = expected[support] / expected[support].sum() * counts.sum()  # float32 rounding
-    stat = chisquare(counts[support], expected)
+    expected = p / p.sum() * counts.sum()
+    big = expected >= min_expected
+    observed = list(counts[big]) + [counts[support & ~big].sum()]
+    pooled = list(expected[big]) + [expected[support & ~big].sum()]
+    if pooled[-1] == 0:
+        observed, pooled = observed[:-1], pooled[:-1]
+    stat = chisquare(observed, np.array(pooled) / np.sum(pooled) * np.sum(observed))
     assert stat.pvalue > FALSE_ALARM, f"distribution differs from the target: {stat}"
     return stat.pvalue
 
@@ -102,19 +111,20 @@ CASES = [
     ("plain", dict(temperature=1.0)),
     ("temperature", dict(temperature=0.6)),
     ("top_k", dict(temperature=1.0, top_k=4)),
-    ("top_p", dict(temperature=0.9, top_p=0.8)),
+    ("top_p", dict(temperature=1.2, top_p=0.9)),
 ]
 
 
 @pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
 def test_sampled_first_token_follows_target(name, kw):
-    torch.manual_seed(hash(name) % 1000)
-    target_logits = torch.randn(3, V) * 2  # [k + 1, V]
-    draft_logits = torch.randn(2, V) * 2  # [k, V]
+    torch.manual_seed(zlib.crc32(name.encode()))  # stable across runs
+    target_logits = torch.randn(3, V) * 1.5  # [k + 1, V]
+    draft_logits = torch.randn(2, V) * 1.5  # [k, V]
     draft_logits[0, 0] = -1e9  # q = 0 where p > 0: only the residual can produce token 0
     params = SamplingParams(max_tokens=8, **kw)
     counts = _first_token_counts(target_logits, draft_logits, params, k=2, deterministic=False)
     p0 = probabilities(target_logits[:1], params)[0]
+    assert (p0 > 0).sum() >= 3, "a degenerate case tests nothing"
     _assert_matches(counts, p0)
     if p0[0] > 0.01:
         assert counts[0] > 0

@@ -1,0 +1,134 @@
+"""`tandem bench --distributed`: target-only vs sequential (depth 1) vs pipelined (depth 2) speculation
+through the whole Ray + gRPC path, side by side in one run, plus throughput under concurrency."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import ray
+
+from cluster.bench import effective_alpha, predicted_pipelined_speedup, predicted_sequential_speedup
+from cluster.engine import EngineConfig, encode_prompt
+from cluster.runtime import ClusterConfig, TandemCluster, init_local_ray
+from cluster.sampling import SamplingParams
+from cluster.workloads import workload
+
+MODES = {  # mode -> (proposer on, pipeline_depth)
+    "target_only": (False, 1),
+    "sequential": (True, 1),
+    "pipelined": (True, 2),
+}
+
+
+def _concurrent(cluster: TandemCluster, prompts: list[list[int]], sessions: int, max_tokens: int) -> dict:
+    results: list = [None] * sessions
+    params = SamplingParams(max_tokens=max_tokens)
+
+    def run(i: int) -> None:
+        results[i] = cluster.generate(prompts[i % len(prompts)], params)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(sessions)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"sessions": sessions, "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
+
+
+def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8, max_tokens: int = 128,
+                          gamma: int = 4, dtype: str = "bfloat16", proposer: str = "draft",
+                          concurrency: tuple[int, ...] = (1, 4, 16), concurrency_max_tokens: int = 64) -> dict:
+    init_local_ray()
+    report: dict = {"config": {"workload": workload_name, "prompts": num_prompts, "max_tokens": max_tokens,
+                               "num_speculative_tokens": gamma, "dtype": dtype, "proposer": proposer,
+                               "threads_per_actor": 1}, "modes": {}}
+    texts, chat = workload(workload_name, num_prompts)
+    for mode, (speculate, depth) in MODES.items():
+        engine = EngineConfig(proposer=proposer if speculate else "none", num_speculative_tokens=gamma if speculate else 0,
+                              dtype=dtype, threads=1)
+        cluster = TandemCluster(ClusterConfig(engine=engine, pipeline_depth=depth))
+        try:
+            prompts = [encode_prompt(cluster.tokenizer, t, chat) for t in texts]
+            cluster.generate(prompts[0], SamplingParams(max_tokens=8))  # warm-up
+            drafter_before = ray.get(cluster.drafter.stats.remote()) if cluster.drafter else None
+            tokens, wall, verify_s, draft_s, drafted, accepted, rounds = 0, 0.0, 0.0, 0.0, 0, 0, 0
+            overheads, verify_steps, per_position = [], [], [[0, 0] for _ in range(gamma)]
+            for ids in prompts:
+                timeline: list = []
+                t0 = time.perf_counter()
+                result = cluster.generate(ids, SamplingParams(max_tokens=max_tokens), timeline)
+                wall += time.perf_counter() - t0
+                s = result.stats
+                tokens += len(result.token_ids)
+                verify_s += s.verify_s
+                draft_s += s.draft_s
+                drafted, accepted, rounds = drafted + s.drafted, accepted + s.accepted, rounds + s.rounds
+                for i, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):
+                    per_position[i][0] += d
+                    per_position[i][1] += a
+                for t in timeline:
+                    verify_steps.append(t.verify_end - t.verify_start)
+                    overheads.append((t.received - t.sent) - (t.verify_end - t.verify_start))
+            row = {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "rounds": rounds,
+                   "drafted": drafted, "accepted": accepted,
+                   "acceptance_rate": accepted / drafted if drafted else 0.0,
+                   "mean_accepted_length": tokens / rounds if rounds else 0.0,
+                   "acceptance_per_position": [a / d if d else 0.0 for d, a in per_position],
+                   "verifier_idle_s": wall - verify_s, "verifier_busy_fraction": verify_s / wall,
+                   "verify_step_ms": 1e3 * statistics.mean(verify_steps),
+                   "router_grpc_overhead_ms": 1e3 * statistics.median(overheads)}
+            if drafter_before is not None:
+                after = ray.get(cluster.drafter.stats.remote())
+                row["drafter_busy_s"] = after["draft_s"] - drafter_before["draft_s"]
+                row["drafter_idle_s"] = wall - row["drafter_busy_s"]
+            row["overhead_fraction_of_verify_step"] = row["router_grpc_overhead_ms"] / row["verify_step_ms"]
+            row["concurrency"] = [_concurrent(cluster, prompts, n, concurrency_max_tokens) for n in concurrency]
+            report["modes"][mode] = row
+        finally:
+            cluster.shutdown()
+
+    base = report["modes"]["target_only"]
+    step_ms = base["verify_step_ms"]  # one plain decoding step on the verifier
+    for mode in ("sequential", "pipelined"):
+        row = report["modes"][mode]
+        row["speedup_vs_target_only"] = row["tokens_per_s"] / base["tokens_per_s"]
+        draft_ms = 1e3 * row.get("drafter_busy_s", 0.0) / max(1, row["drafted"])
+        c = draft_ms / step_ms
+        alpha = effective_alpha(row["mean_accepted_length"], gamma) if mode == "sequential" else None
+        row["cost_ratio_c"] = c
+        if alpha is not None:
+            row["alpha"] = alpha
+    seq, pipe = report["modes"]["sequential"], report["modes"]["pipelined"]
+    alpha, c = seq["alpha"], seq["cost_ratio_c"]
+    report["pipelined_over_sequential"] = pipe["tokens_per_s"] / seq["tokens_per_s"]
+    report["predicted_sequential_speedup"] = predicted_sequential_speedup(alpha, gamma, c)
+    report["pipelined_bound"] = predicted_pipelined_speedup(alpha, gamma, c)
+    report["pipelined_fraction_of_bound"] = pipe["speedup_vs_target_only"] / report["pipelined_bound"]
+    return report
+
+
+def format_distributed(report: dict) -> str:
+    cfg = report["config"]
+    lines = [f"workload={cfg['workload']} prompts={cfg['prompts']} max_tokens={cfg['max_tokens']} "
+             f"γ={cfg['num_speculative_tokens']} dtype={cfg['dtype']} proposer={cfg['proposer']} (1 torch thread per actor)", "",
+             "| mode | tokens/s | vs target-only | accept rate | mean acc. len | verify step ms | router+gRPC ms/round | verifier busy | drafter idle s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for mode, row in report["modes"].items():
+        lines.append(f"| {mode} | {row['tokens_per_s']:.2f} | {row.get('speedup_vs_target_only', 1.0):.2f}× | "
+                     f"{row['acceptance_rate']:.2f} | {row['mean_accepted_length']:.2f} | {row['verify_step_ms']:.1f} | "
+                     f"{row['router_grpc_overhead_ms']:.2f} ({row['overhead_fraction_of_verify_step']:.1%}) | "
+                     f"{row['verifier_busy_fraction']:.0%} | {row.get('drafter_idle_s', 0.0):.1f} |")
+    lines += ["", f"pipelined / sequential: {report['pipelined_over_sequential']:.2f}×; "
+              f"α (effective) {report['modes']['sequential']['alpha']:.2f}, c {report['modes']['sequential']['cost_ratio_c']:.3f}; "
+              f"predicted sequential {report['predicted_sequential_speedup']:.2f}×, pipelined bound "
+              f"{report['pipelined_bound']:.2f}×, pipelined reaches {report['pipelined_fraction_of_bound']:.0%} of it", "",
+              "| mode | " + " | ".join(f"{c['sessions']} sessions tok/s" for c in report["modes"]["target_only"]["concurrency"]) + " |",
+              "|---|" + "---|" * len(report["modes"]["target_only"]["concurrency"])]
+    for mode, row in report["modes"].items():
+        lines.append(f"| {mode} | " + " | ".join(f"{c['tokens_per_s']:.2f}" for c in row["concurrency"]) + " |")
+    return "\n".join(lines)

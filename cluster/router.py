@@ -1,0 +1,330 @@
+"""The router: drives each session's pipeline of draft and verify rounds and owns its committed tokens.
+
+Per session it keeps up to `pipeline_depth` rounds in flight on one bidirectional gRPC stream to a
+verifier replica (depth 1 = ordinary sequential speculative decoding, with a bonus token each fully
+accepted round). While round r is verified the drafter drafts round r+1 as if r were accepted.
+On a rejection: bump the epoch, forget in-flight rounds (the verifier answers them `stale`), roll the
+drafter back to the committed tokens plus the recovered token, draft again.
+
+Faults: a dead drafter switches the session to plain target decoding (same output); a dead verifier
+replica gets the session replayed from its committed tokens onto another (or the restarted) replica.
+Both are logged and counted in `RouterMetrics`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import ray
+import ray.exceptions
+
+from cluster.errors import InvalidRequestError, TandemError
+from cluster.sampling import SamplingParams
+from cluster.speculate import GenerationResult, SpeculationStats
+from cluster.verifier_server import params_to_pb
+from protos import pb, rpc
+
+log = logging.getLogger(__name__)
+
+_DRAFTER_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+@dataclass
+class RouterMetrics:
+    sessions: int = 0
+    rounds: int = 0
+    stale_rounds: int = 0
+    replays: int = 0  # sessions moved to another verifier replica after a failure
+    drafter_fallbacks: int = 0  # sessions that lost their drafter and went on with plain decoding
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+
+@dataclass
+class RoundTiming:
+    round: int
+    draft_start: float
+    draft_end: float
+    verify_start: float = 0.0
+    verify_end: float = 0.0
+    sent: float = 0.0  # router clock around the gRPC round trip
+    received: float = 0.0
+
+
+class VerifierReplicaHandle:
+    """A replica as the router sees it: a name, an address and a way to find the address again."""
+
+    def __init__(self, name: str, resolve):
+        self.name, self._resolve = name, resolve
+        self.address = resolve()
+        self.sessions = 0
+        self._channel = grpc.insecure_channel(self.address)
+        self.stub = rpc.VerifierStub(self._channel)
+
+    def refresh(self, timeout_s: float = 60.0) -> bool:
+        """Ask for the address again (a restarted replica binds a new port)."""
+        try:
+            address = self._resolve(timeout_s)
+        except Exception as e:
+            log.warning("verifier replica %s is not back: %s", self.name, e)
+            return False
+        if address != self.address:
+            self._channel.close()
+            self.address = address
+            self._channel = grpc.insecure_channel(address)
+            self.stub = rpc.VerifierStub(self._channel)
+        return True
+
+
+class _Stream:
+    """One session's open bidirectional Verify stream."""
+
+    def __init__(self, replica: VerifierReplicaHandle, session: str):
+        self.replica, self.session = replica, session
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses = replica.stub.Verify(iter(self._requests.get, None))
+
+    def send(self, request) -> None:
+        self._requests.put(request)
+
+    def receive(self):
+        return next(self._responses)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._responses.cancel()
+
+
+class Router:
+    def __init__(self, replicas: Sequence[VerifierReplicaHandle], drafter=None, tokenizer=None,
+                 eos_token_ids: Sequence[int] = (), num_speculative_tokens: int = 4, pipeline_depth: int = 2,
+                 max_context: int = 8192, max_replays: int = 3):
+        if pipeline_depth < 1:
+            raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
+        if not replicas:
+            raise InvalidRequestError("the verifier pool is empty")
+        self.replicas = list(replicas)
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
+        self.pipeline_depth = pipeline_depth
+        self.max_context = max_context
+        self.max_replays = max_replays
+        self.metrics = RouterMetrics()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def _pick_replica(self, avoid: VerifierReplicaHandle | None = None) -> VerifierReplicaHandle:
+        with self._lock:
+            candidates = [r for r in self.replicas if r is not avoid] or self.replicas
+            replica = min(candidates, key=lambda r: r.sessions)  # least loaded
+            replica.sessions += 1
+            return replica
+
+    def _unpin(self, replica: VerifierReplicaHandle) -> None:
+        with self._lock:
+            replica.sessions -= 1
+
+    def _open(self, session: str, committed: list[int], params: SamplingParams,
+              avoid: VerifierReplicaHandle | None = None) -> _Stream:
+        replica = self._pick_replica(avoid)
+        try:
+            replica.stub.Open(pb.OpenRequest(session=session, token_ids=committed, params=params_to_pb(params)),
+                              timeout=120)
+            return _Stream(replica, session)
+        except grpc.RpcError as e:
+            self._unpin(replica)
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequestError(e.details()) from None
+            raise
+
+    # -- drafter calls (a dead drafter means plain decoding from here on) ------------------------
+
+    def _drafter_call(self, state: dict, method: str, *args, wait: bool = False):
+        if not state["drafting"]:
+            return None
+        try:
+            ref = getattr(self.drafter, method).remote(*args)
+            return ray.get(ref, timeout=120) if wait else ref
+        except _DRAFTER_ERRORS + (ray.exceptions.GetTimeoutError,) as e:
+            log.warning("drafter failed during %s of session %s (%s): continuing with plain target decoding",
+                        method, args[0], type(e).__name__)
+            self.metrics.add(drafter_fallbacks=1)
+            state["drafting"] = False
+            return None
+
+    # -- one request -----------------------------------------------------------------------------
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if len(prompt_ids) == 0:
+            raise InvalidRequestError("the prompt is empty")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_context:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context length of {self.max_context} tokens")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer")
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 timeline: list[RoundTiming] | None = None) -> GenerationResult:
+        prompt_ids = list(prompt_ids)
+        self.validate(prompt_ids, params)
+        params = params.with_seed()
+        session = f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        self.metrics.add(sessions=1)
+        stats = SpeculationStats(num_prompt_tokens=len(prompt_ids))
+        t_start = time.perf_counter()
+        # drafter state: whether it is alive, and the rollback/feedback ops owed to it, sent with the next propose
+        state = {"drafting": self.drafter is not None and self.num_speculative_tokens > 0, "sync": []}
+        self._drafter_call(state, "start", session, prompt_ids, params.model_dump(), wait=True)
+        committed = list(prompt_ids)
+        output: list[int] = []
+        stream = self._open(session, committed, params)
+        stats.prefill_s = time.perf_counter() - t_start
+        replays = 0
+        try:
+            while True:
+                try:
+                    finish = self._run(session, stream, committed, output, params, state, stats, timeline)
+                    break
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise TandemError(f"verifier refused session {session}: {e.details()}") from None
+                    replays += 1
+                    if replays > self.max_replays:
+                        raise TandemError(f"session {session} failed {replays} times; last: {e.details()}") from None
+                    failed = stream.replica
+                    log.warning("verifier replica %s failed (%s) in session %s after %d tokens: replaying onto "
+                                "another replica", failed.name, e.code().name, session, len(output))
+                    self.metrics.add(replays=1)
+                    stream.close()
+                    self._unpin(failed)
+                    failed.refresh()
+                    state["sync"].append({"length": len(committed), "token_ids": []})
+                    stream = self._open(f"{session}r{replays}", committed, params, avoid=failed)
+        finally:
+            stream.close()
+            try:
+                stream.replica.stub.Release(pb.ReleaseRequest(session=stream.session), timeout=10)
+            except grpc.RpcError:
+                pass
+            self._unpin(stream.replica)
+            self._drafter_call(state, "release", session)
+        stats.num_generated_tokens = len(output)
+        stats.total_s = time.perf_counter() - t_start
+        return GenerationResult(output, self._text(output, params.stop), finish, stats)
+
+    def _run(self, session: str, stream: _Stream, committed: list[int], output: list[int],
+             params: SamplingParams, state: dict, stats: SpeculationStats,
+             timeline: list[RoundTiming] | None) -> str:
+        """Drive rounds until a stop; returns the finish reason. Raises grpc.RpcError on a verifier fault."""
+        sequential = self.pipeline_depth == 1
+        epoch, optimistic = 0, 0  # optimistic: drafted tokens in flight beyond the committed ones
+        in_flight: deque = deque()  # [round, epoch, num_drafts, stale, timing]
+        round_ids = itertools.count()
+        while True:
+            live = sum(1 for entry in in_flight if not entry[3])
+            while live < self.pipeline_depth:
+                remaining = params.max_tokens - len(output) - optimistic
+                bonus = sequential
+                k = min(self.num_speculative_tokens, remaining - (1 if bonus else 0))
+                if remaining <= 0:
+                    break
+                t0 = time.time()
+                drafts, probs = [], []
+                if k > 0 and state["drafting"]:
+                    sync, state["sync"] = state["sync"], []
+                    proposal = self._drafter_call(state, "propose", session, k, sync, wait=True)
+                    if proposal is not None:
+                        drafts = proposal["token_ids"]
+                        probs = [pb.DraftDistribution(token_ids=i, probs=p) for i, p in proposal["draft_probs"] or []]
+                t1 = time.time()
+                if not drafts:
+                    if live:
+                        break  # nothing to add: wait for the rounds in flight
+                    bonus = True  # a plain decoding step
+                rnd = next(round_ids)
+                stream.send(pb.VerifyRequest(session=stream.session, round=rnd, epoch=epoch, bonus=bonus,
+                                             proposal=pb.DraftProposal(token_ids=drafts, draft_probs=probs)))
+                timing = RoundTiming(rnd, t0, t1, sent=time.time())
+                in_flight.append([rnd, epoch, len(drafts), False, timing])
+                optimistic += len(drafts)
+                live += 1
+                stats.draft_s += t1 - t0
+                if bonus:
+                    break  # the next round starts from this one's bonus token
+            result = stream.receive()
+            received = time.time()
+            rnd, rnd_epoch, num_drafts, stale, timing = in_flight.popleft()
+            if result.round != rnd:
+                raise TandemError(f"verifier answered round {result.round}, expected {rnd}")
+            if stale or result.stale:
+                self.metrics.add(stale_rounds=1)
+                continue
+            timing.verify_start, timing.verify_end = result.verify_start, result.verify_end
+            timing.received = received
+            stats.verify_s += result.verify_end - result.verify_start
+            if timeline is not None:
+                timeline.append(timing)
+            optimistic -= num_drafts
+            stats.record_round(num_drafts, result.num_accepted)
+            self.metrics.add(rounds=1)
+            new_tokens = list(result.output_token_ids)
+            committed.extend(new_tokens)
+            op = {"num_drafted": num_drafts, "num_accepted": result.num_accepted}
+            if result.recovered or result.bonus:  # the drafter continues from the corrected token
+                op.update(length=len(committed) - 1, token_ids=new_tokens[-1:])
+            state["sync"].append(op)
+            if result.recovered:
+                epoch += 1
+                optimistic = 0
+                for entry in in_flight:
+                    entry[3] = True
+
+            finish = None
+            if not params.ignore_eos:
+                for i, token in enumerate(new_tokens):
+                    if token in self.eos_token_ids:
+                        new_tokens, finish = new_tokens[: i + 1], "stop"
+                        break
+            output.extend(new_tokens)
+            if params.stop and finish is None:
+                cut = self._find_stop(output, len(new_tokens), params.stop)
+                if cut is not None:
+                    del output[cut:]
+                    finish = "stop"
+            if finish is None and len(output) >= params.max_tokens:
+                del output[params.max_tokens :]
+                finish = "length"
+            if finish:
+                return finish
+
+    def _find_stop(self, output: list[int], num_new: int, stop: list[str]) -> int | None:
+        for end in range(len(output) - num_new + 1, len(output) + 1):
+            if any(s in self.tokenizer.decode(output[:end], skip_special_tokens=True) for s in stop):
+                return end
+        return None
+
+    def _text(self, output: list[int], stop: list[str]) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(output, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stop if s in text]
+        return text[: min(cuts)] if cuts else text

@@ -1,0 +1,245 @@
+"""Start the distributed runtime on Ray: a drafter actor, a pool of verifier replicas, a router.
+
+Each verifier replica is one placement group of `tensor_parallel_size` bundles (STRICT_PACK), one
+actor per rank; rank 0 serves the `Verifier` gRPC service on 127.0.0.1 and reports its port.
+On one machine everything binds loopback only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.engine import EngineConfig
+from cluster.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+class PlacementConfig(BaseModel):
+    """Resources of one actor: GPUs (fractional allowed), accelerator type, custom resources."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the actor.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor; fractions share a device.")
+    accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. 'L4' or 'H100'.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources, e.g. {'draft_node': 1}.")
+
+    def bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        if self.accelerator_type:
+            bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return bundle
+
+
+class ClusterConfig(BaseModel):
+    """The distributed runtime: one drafter, `num_verifier_replicas` TP groups, a router."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Models, proposer, γ, dtype, threads per actor.")
+    pipeline_depth: int = Field(2, ge=1, le=8, description="Rounds in flight per session; 1 = sequential speculative decoding.")
+    num_verifier_replicas: int = Field(1, ge=1, le=64, description="Verifier replicas in the pool.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target ranks per verifier replica.")
+    drafter: PlacementConfig = Field(default_factory=PlacementConfig, description="Where the drafter runs (a cheap GPU).")
+    verifier_rank: PlacementConfig = Field(default_factory=PlacementConfig, description="Where each verifier rank runs (a large GPU).")
+    placement_timeout_s: float = Field(60.0, gt=0, description="How long to wait for resources before failing.")
+    max_verifier_restarts: int = Field(-1, ge=-1, description="Ray restarts of a verifier replica (-1: unlimited).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterConfig":
+        if self.tensor_parallel_size > 1 and self.engine.device not in (None, "cpu") and self.verifier_rank.num_gpus < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} on GPUs needs verifier_rank.num_gpus >= 1")
+        return self
+
+    @classmethod
+    def build(cls, **kwargs) -> "ClusterConfig":
+        try:
+            return cls(**kwargs)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise ConfigError(f"{'.'.join(str(x) for x in first['loc']) or 'config'}: {first['msg']}") from None
+
+
+def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
+                   resources: dict[str, float] | None = None) -> None:
+    """A Ray head on this machine, loopback only. `num_gpus` may fake GPUs for placement tests."""
+    if ray.is_initialized():
+        return
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # CPUs are logical here: actors are mostly waiting, and each pins its own torch threads.
+    ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
+             include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+class VerifierRank:
+    """One rank of a verifier replica (the Ray actor body). Rank 0 serves gRPC."""
+
+    def __init__(self, engine_config: dict, replica: str, rank: int = 0, world_size: int = 1,
+                 master_port: int = 0):
+        import torch
+
+        from cluster import models
+        from cluster.runner import TorchModelRunner
+
+        config = EngineConfig(**engine_config)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.replica, self.rank, self.world_size = replica, rank, world_size
+        path = models.resolve_model_path(config.target, config.cache_dir)
+        if world_size > 1:
+            from cluster.tensor_parallel import load_tp_model
+
+            model = load_tp_model(path, config.dtype, rank, world_size, master_port)
+        else:
+            model = models.load_causal_lm(path, config.dtype, config.device)
+        runner = TorchModelRunner(model, name=f"{replica}/rank{rank}")
+        self.port = None
+        if world_size > 1:
+            from cluster.tensor_parallel import TPLeaderRunner, follow
+
+            if rank != 0:
+                import threading
+
+                threading.Thread(target=follow, args=(runner,), daemon=True, name="tp-follower").start()
+                return
+            runner = TPLeaderRunner(runner)
+        from cluster.verifier import VerifierEngine
+        from cluster.verifier_server import serve
+
+        self.engine = VerifierEngine(runner)
+        self.server, self.port = serve(self.engine, replica, LOOPBACK, 0, world_size)
+
+    def address(self) -> str | None:
+        return f"{LOOPBACK}:{self.port}" if self.port else None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class VerifierReplica:
+    """A placement group with one actor per rank."""
+
+    def __init__(self, name: str, config: ClusterConfig):
+        self.name = name
+        tp = config.tensor_parallel_size
+        self.placement_group = placement_group([config.verifier_rank.bundle() for _ in range(tp)],
+                                               strategy="STRICT_PACK", name=f"tandem-{name}")
+        port = free_port() if tp > 1 else 0
+        actor_cls = ray.remote(VerifierRank)
+        self.ranks = []
+        for rank in range(tp):
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+            self.ranks.append(actor_cls.options(
+                num_cpus=config.verifier_rank.num_cpus, num_gpus=config.verifier_rank.num_gpus,
+                resources=config.verifier_rank.resources or None, scheduling_strategy=strategy,
+                max_restarts=config.max_verifier_restarts if tp == 1 else 0, max_task_retries=0,
+                name=f"tandem-{name}-rank{rank}",
+            ).remote(config.engine.model_dump(), name, rank, tp, port))
+
+    def resolve(self, timeout_s: float = 300.0) -> str:
+        address = ray.get(self.ranks[0].address.remote(), timeout=timeout_s)
+        if not address:
+            raise RuntimeError(f"verifier replica {self.name} has no address")
+        return address
+
+    def kill(self) -> None:
+        for actor in self.ranks:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self.placement_group)
+
+
+class TandemCluster:
+    """The whole runtime on the current Ray cluster (started on loopback when none is running)."""
+
+    def __init__(self, config: ClusterConfig):
+        from cluster import models
+        from cluster.router import Router, VerifierReplicaHandle
+
+        self.config = config
+        init_local_ray()
+        path = models.resolve_model_path(config.engine.target, config.engine.cache_dir)  # prepare once, here
+        tokenizer = models.load_tokenizer(path)
+        self._check_tp(path)
+        self.replicas = [VerifierReplica(f"verifier{i}", config) for i in range(config.num_verifier_replicas)]
+        self.drafter = None
+        if config.engine.proposer != "none" and config.engine.num_speculative_tokens > 0:
+            from cluster.drafter import Drafter
+
+            self.drafter_pg = placement_group([config.drafter.bundle()], name="tandem-drafter")
+            self._wait_placed([self.drafter_pg], "the drafter", config.drafter.bundle())
+            self.drafter = ray.remote(Drafter).options(
+                num_cpus=config.drafter.num_cpus, num_gpus=config.drafter.num_gpus,
+                resources=config.drafter.resources or None, max_restarts=-1, max_task_retries=0,
+                max_concurrency=256,  # concurrent proposes are batched inside
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.drafter_pg, 0),
+                name="tandem-drafter",
+            ).remote(config.engine.model_dump())
+        self._wait_placed([r.placement_group for r in self.replicas], "the verifier pool",
+                          config.verifier_rank.bundle(), config.tensor_parallel_size)
+        if self.drafter is not None:
+            ray.get(self.drafter.ready.remote(), timeout=300)
+        handles = [VerifierReplicaHandle(r.name, r.resolve) for r in self.replicas]
+        from transformers import AutoConfig
+
+        eos = AutoConfig.from_pretrained(path).eos_token_id
+        self.router = Router(handles, self.drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
+                             config.engine.num_speculative_tokens, config.pipeline_depth,
+                             max_context=AutoConfig.from_pretrained(path).max_position_embeddings)
+        self.tokenizer = tokenizer
+
+    def _check_tp(self, path) -> None:
+        from transformers import AutoConfig
+
+        tp = self.config.tensor_parallel_size
+        kv_heads = AutoConfig.from_pretrained(path).num_key_value_heads
+        if kv_heads % tp:
+            raise ConfigError(f"tensor_parallel_size={tp} must divide the target's num_key_value_heads={kv_heads}")
+
+    def _wait_placed(self, groups, what: str, bundle: dict, count: int = 1) -> None:
+        deadline = time.time() + self.config.placement_timeout_s
+        for group in groups:
+            try:
+                ray.get(group.ready(), timeout=max(0.1, deadline - time.time()))
+            except ray.exceptions.GetTimeoutError:
+                self.shutdown()
+                raise ConfigError(
+                    f"cannot place {what}: {len(groups)} group(s) of {count} bundle(s) {bundle} did not fit "
+                    f"in {self.config.placement_timeout_s:.0f}s; cluster has {ray.available_resources()}") from None
+
+    def generate(self, prompt_ids, params, timeline=None):
+        return self.router.generate(prompt_ids, params, timeline)
+
+    def shutdown(self) -> None:
+        for replica in getattr(self, "replicas", []):
+            try:
+                replica.kill()
+            except Exception:
+                pass
+        if getattr(self, "drafter", None) is not None:
+            ray.kill(self.drafter, no_restart=True)
+            remove_placement_group(self.drafter_pg)

@@ -1,0 +1,216 @@
+"""The verifier engine: target KV per session, rounds verified in order, many sessions per forward.
+
+A session is one token stream. Each round's drafts are fed after the session's uncached committed
+token (if any); the first draft is tested against the distribution at the end of the previous round
+when that round was fully accepted without a bonus (the pipelined case), so the chain of tests is
+exactly speculative sampling over the whole sequence. A rejection truncates the KV to the committed
+length (a cursor move), returns the recovered token and bumps the session's epoch; rounds drafted
+in an older epoch are answered `stale` and commit nothing.
+
+No gRPC here: `cluster/verifier_server.py` puts this behind the `Verifier` service.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.errors import InvalidRequestError
+from cluster.rejection import rejection_sample
+from cluster.runner import TorchModelRunner
+from cluster.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Round:
+    session: str
+    round: int
+    epoch: int
+    token_ids: list[int]  # [k] drafts
+    draft_probs: torch.Tensor | None  # [k, vocab_size] or None (deterministic proposer)
+    bonus: bool
+
+
+@dataclass
+class RoundResult:
+    session: str
+    round: int
+    epoch: int
+    num_accepted: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    recovered: bool = False
+    bonus: bool = False
+    stale: bool = False
+    verify_start: float = 0.0
+    verify_end: float = 0.0
+
+
+Callback = Callable[[RoundResult | Exception], None]
+
+
+@dataclass
+class _Session:
+    params: SamplingParams
+    num_tokens: int  # committed tokens (prompt + output) the verifier knows
+    uncached: list[int]  # committed tokens not yet in the KV (at most one)
+    next_logits: torch.Tensor | None = None  # [vocab_size]: the next position's, when uncached is empty
+    epoch: int = 0
+    pending: deque = field(default_factory=deque)  # (Round, Callback), in arrival order
+
+
+class VerifierEngine:
+    """Owns a target runner; `step()` verifies the oldest pending round of every session at once."""
+
+    def __init__(self, runner: TorchModelRunner, max_batch: int = 32):
+        self.runner = runner
+        self.max_batch = max_batch
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Condition()
+        self._stopped = False
+        self.rounds_verified = 0
+        self.stale_rounds = 0
+
+    # -- sessions (called from gRPC threads) -----------------------------------------------------
+
+    def open(self, session: str, token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Prefill the committed tokens; returns their count."""
+        if not token_ids:
+            raise InvalidRequestError("open: no tokens")
+        if any(not 0 <= t < self.runner.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"open: token ids must lie in [0, {self.runner.vocab_size})")
+        if len(token_ids) > self.runner.max_context:
+            raise InvalidRequestError(f"open: {len(token_ids)} tokens exceed the context of {self.runner.max_context}")
+        with self._lock:
+            if session in self._sessions:
+                raise InvalidRequestError(f"session {session!r} is already open")
+            self.runner.add_session(session)
+            try:
+                if len(token_ids) > 1:
+                    self.runner.extend(session, list(token_ids[:-1]), num_logits=0)
+            except Exception:
+                self.runner.release(session)
+                raise
+            self._sessions[session] = _Session(params.with_seed(), len(token_ids), [int(token_ids[-1])])
+        return len(token_ids)
+
+    def release(self, session: str) -> bool:
+        with self._lock:
+            state = self._sessions.pop(session, None)
+            if state is None:
+                return False
+            self.runner.release(session)
+            for rnd, callback in state.pending:
+                callback(InvalidRequestError(f"session {session!r} was released"))
+            return True
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def submit(self, rnd: Round, callback: Callback) -> None:
+        """Queue a round; `callback` gets its RoundResult (or the error) from the engine thread."""
+        with self._lock:
+            state = self._sessions.get(rnd.session)
+            if state is None:
+                raise InvalidRequestError(f"unknown session {rnd.session!r}")
+            self._validate(rnd, state)
+            state.pending.append((rnd, callback))
+            self._lock.notify_all()
+
+    def _validate(self, rnd: Round, state: _Session) -> None:
+        k, vocab = len(rnd.token_ids), self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in rnd.token_ids):
+            raise InvalidRequestError(f"round {rnd.round}: draft token ids must lie in [0, {vocab})")
+        if rnd.draft_probs is not None:
+            if tuple(rnd.draft_probs.shape) != (k, vocab):
+                raise InvalidRequestError(f"round {rnd.round}: {k} drafts but draft_probs of shape {tuple(rnd.draft_probs.shape)}")
+            if any(float(rnd.draft_probs[i, t]) <= 0 for i, t in enumerate(rnd.token_ids)):
+                raise InvalidRequestError(f"round {rnd.round}: a draft token has draft probability 0")
+        if rnd.epoch > state.epoch:  # the router learns of a new epoch only from this verifier
+            raise InvalidRequestError(f"round {rnd.round}: epoch {rnd.epoch} is ahead of the session's {state.epoch}")
+        if k == 0 and not rnd.bonus:
+            raise InvalidRequestError(f"round {rnd.round}: no drafts and no bonus asked: nothing to verify")
+        if state.num_tokens + k + 1 > self.runner.max_context:
+            raise InvalidRequestError(f"round {rnd.round}: the session would exceed the context of {self.runner.max_context}")
+
+    # -- the engine loop -----------------------------------------------------------------------
+
+    def run_forever(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and not any(s.pending for s in self._sessions.values()):
+                    self._lock.wait()
+                if self._stopped:
+                    return
+            self.step()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+
+    def step(self) -> int:
+        """Verify the oldest pending round of up to `max_batch` sessions in one forward pass."""
+        with self._lock:
+            batch: list[tuple[str, _Session, Round, Callback]] = []
+            for sid, state in self._sessions.items():
+                while state.pending:
+                    rnd, callback = state.pending[0]
+                    if rnd.epoch == state.epoch:
+                        batch.append((sid, state, rnd, callback))
+                        break
+                    state.pending.popleft()  # drafted before the last rejection
+                    self.stale_rounds += 1
+                    callback(RoundResult(sid, rnd.round, rnd.epoch, stale=True))
+                if len(batch) >= self.max_batch:
+                    break
+            if not batch:
+                return 0
+            feeds = {sid: state.uncached + rnd.token_ids for sid, state, rnd, _ in batch}
+            start = time.time()
+            try:
+                logits = self.runner.extend_batch({s: f for s, f in feeds.items() if f})
+            except Exception as e:  # a failed forward fails its rounds, loudly; the sessions survive
+                log.exception("verification forward failed")
+                for sid, state, rnd, callback in batch:
+                    state.pending.popleft()
+                    self.runner.truncate(sid, state.num_tokens - len(state.uncached))
+                    callback(e)
+                return 0
+            end = time.time()
+            results = []
+            for sid, state, rnd, callback in batch:
+                state.pending.popleft()
+                results.append((callback, self._commit(sid, state, rnd, logits.get(sid), start, end)))
+            self.rounds_verified += len(batch)
+        for callback, result in results:  # outside the lock: callbacks may block on queues
+            callback(result)
+        return len(batch)
+
+    def _commit(self, sid: str, state: _Session, rnd: Round, rows: torch.Tensor | None,
+                start: float, end: float) -> RoundResult:
+        k = len(rnd.token_ids)
+        head = [] if state.uncached else [state.next_logits[None]]
+        dists = torch.cat(head + ([rows] if rows is not None else []))  # [k + 1, vocab_size]
+        result = rejection_sample(rnd.token_ids, dists if rnd.bonus else dists[:k], rnd.draft_probs,
+                                  state.params, start_position=state.num_tokens)
+        out = RoundResult(sid, rnd.round, rnd.epoch, result.num_accepted, result.output_token_ids,
+                          result.recovered, result.bonus, verify_start=start, verify_end=end)
+        if result.recovered:
+            self.runner.truncate(sid, state.num_tokens + result.num_accepted)
+            state.uncached, state.next_logits = [result.output_token_ids[-1]], None
+            state.epoch += 1
+        elif result.bonus:
+            state.uncached, state.next_logits = [result.output_token_ids[-1]], None
+        else:
+            state.uncached, state.next_logits = [], dists[k]
+        state.num_tokens += len(result.output_token_ids)
+        return out

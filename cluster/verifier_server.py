@@ -1,0 +1,134 @@
+"""The `Verifier` gRPC service over a `VerifierEngine`, and the Ray actor that hosts a replica.
+
+One bidirectional `Verify` stream per session carries its rounds in order; every request gets
+exactly one result. Bad input (unknown session, epoch ahead of the verifier, malformed proposal)
+aborts that stream with INVALID_ARGUMENT; the server keeps serving every other stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent import futures
+
+import grpc
+import torch
+
+from cluster.errors import InvalidRequestError
+from cluster.sampling import SamplingParams
+from cluster.verifier import Round, RoundResult, VerifierEngine
+from protos import pb, rpc
+
+log = logging.getLogger(__name__)
+
+
+def params_from_pb(msg) -> SamplingParams:
+    return SamplingParams.build(
+        max_tokens=max(1, msg.max_tokens), temperature=msg.temperature, top_p=msg.top_p or 1.0,
+        top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
+        ignore_eos=msg.ignore_eos)
+
+
+def params_to_pb(params: SamplingParams):
+    return pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                             top_k=params.top_k, seed=params.seed, stop=params.stop, ignore_eos=params.ignore_eos)
+
+
+def dense_draft_probs(proposal, vocab_size: int) -> torch.Tensor | None:
+    """Sparse wire distributions -> q  # [k, vocab_size]; None for a deterministic proposer."""
+    if not proposal.draft_probs:
+        return None
+    if len(proposal.draft_probs) != len(proposal.token_ids):
+        raise InvalidRequestError(f"{len(proposal.token_ids)} drafts but {len(proposal.draft_probs)} draft distributions")
+    q = torch.zeros(len(proposal.token_ids), vocab_size)
+    for i, dist in enumerate(proposal.draft_probs):
+        if len(dist.token_ids) != len(dist.probs) or any(t >= vocab_size for t in dist.token_ids):
+            raise InvalidRequestError(f"draft distribution {i} is malformed")
+        q[i, list(dist.token_ids)] = torch.tensor(list(dist.probs))
+    if (q < 0).any() or ((q.sum(-1) - 1).abs() > 1e-3).any():
+        raise InvalidRequestError("draft distributions must be non-negative and sum to 1")
+    return q
+
+
+def sparse_draft_probs(q: torch.Tensor | None) -> list:
+    """q  # [k, vocab_size] -> its non-zero entries, per position."""
+    if q is None:
+        return []
+    out = []
+    for row in q:
+        ids = torch.nonzero(row > 0).flatten()
+        out.append(pb.DraftDistribution(token_ids=ids.tolist(), probs=row[ids].tolist()))
+    return out
+
+
+def result_to_pb(r: RoundResult):
+    return pb.VerifyResult(session=r.session, round=r.round, epoch=r.epoch, num_accepted=r.num_accepted,
+                           output_token_ids=r.output_token_ids, recovered=r.recovered, bonus=r.bonus,
+                           stale=r.stale, verify_start=r.verify_start, verify_end=r.verify_end)
+
+
+_END = object()
+
+
+class VerifierServicer(rpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine, replica: str, tensor_parallel_size: int = 1):
+        self.engine, self.replica, self.tp = engine, replica, tensor_parallel_size
+
+    def Open(self, request, context):
+        try:
+            length = self.engine.open(request.session, list(request.token_ids), params_from_pb(request.params))
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.OpenReply(session=request.session, length=length)
+
+    def Release(self, request, context):
+        return pb.ReleaseReply(released=self.engine.release(request.session))
+
+    def Health(self, request, context):
+        return pb.HealthReply(serving=True, num_sessions=self.engine.num_sessions,
+                              tensor_parallel_size=self.tp, replica=self.replica)
+
+    def Verify(self, request_iterator, context):
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        submitted = [0]
+
+        def read() -> None:
+            try:
+                for request in request_iterator:
+                    rnd = Round(request.session, request.round, request.epoch, list(request.proposal.token_ids),
+                                dense_draft_probs(request.proposal, self.engine.runner.vocab_size), request.bonus)
+                    self.engine.submit(rnd, results.put)
+                    submitted[0] += 1
+            except InvalidRequestError as e:
+                results.put(e)
+            except Exception as e:  # the client went away
+                log.debug("verify stream ended: %s", e)
+            results.put(_END)
+
+        threading.Thread(target=read, daemon=True, name="verify-reader").start()
+        delivered, ended = 0, False
+        while not ended or delivered < submitted[0]:
+            item = results.get()
+            if item is _END:
+                ended = True
+                continue
+            if isinstance(item, InvalidRequestError):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            if isinstance(item, Exception):
+                context.abort(grpc.StatusCode.INTERNAL, f"verification failed: {item}")
+            delivered += 1
+            yield result_to_pb(item)
+
+
+def serve(engine: VerifierEngine, replica: str, host: str = "127.0.0.1", port: int = 0,
+          tensor_parallel_size: int = 1, max_workers: int = 128) -> tuple[grpc.Server, int]:
+    """Start the gRPC server and the engine thread; returns (server, bound port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="verifier"))
+    rpc.add_VerifierServicer_to_server(VerifierServicer(engine, replica, tensor_parallel_size), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind the verifier to {host}:{port}")
+    server.start()
+    threading.Thread(target=engine.run_forever, daemon=True, name="verifier-engine").start()
+    return server, bound

@@ -1,0 +1,279 @@
+"""The distributed runtime on a real local Ray cluster (127.0.0.1) with real gRPC verifiers:
+greedy equality, sampling, concurrency, overlap, placement, faults, bad internal input."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+import torch
+
+from cluster.engine import EngineConfig, encode_prompt
+from cluster.errors import ConfigError
+from cluster.runtime import ClusterConfig, PlacementConfig, TandemCluster, init_local_ray
+from cluster.sampling import SamplingParams
+from protos import pb, rpc
+
+MAX_TOKENS = 32
+PROMPTS = [
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ("import os\n\nfor root, dirs, files in os.walk('.'):\n", False),
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
+    ("def is_palindrome(s: str) -> bool:\n", False),
+    ("Once upon a time, in a small village by the sea,", False),
+    ("The three most important inventions of the twentieth century are", False),
+    ("What is the capital of France?", True),
+    ("Write a short poem about the moon.", True),
+]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    init_local_ray(num_cpus=16, num_gpus=4, resources={"draft_gpu": 2})  # fake GPUs for placement
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return [encode_prompt(tokenizer, text, chat) for text, chat in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def references(target_fp32, prompt_ids):
+    refs = {}
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = target_fp32.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       do_sample=False, max_new_tokens=MAX_TOKENS)
+            refs[tuple(ids)] = out[0, len(ids):].tolist()
+    return refs
+
+
+def start(ray_local, **kwargs) -> TandemCluster:
+    engine = dict(dtype="float32", proposer="draft", num_speculative_tokens=4, threads=1)
+    engine.update(kwargs.pop("engine", {}))
+    return TandemCluster(ClusterConfig(engine=EngineConfig(**engine), **kwargs))
+
+
+@pytest.fixture(scope="module")
+def pipelined(ray_local):
+    cluster = start(ray_local, pipeline_depth=2, num_verifier_replicas=2)
+    yield cluster
+    cluster.shutdown()
+
+
+def _check_all(cluster, prompt_ids, references, timelines=None):
+    for ids in prompt_ids:
+        timeline = [] if timelines is not None else None
+        result = cluster.generate(ids, SamplingParams(max_tokens=MAX_TOKENS), timeline)
+        assert result.token_ids == references[tuple(ids)], f"diverged on {ids[:6]}..."
+        if timelines is not None:
+            timelines.append(timeline)
+
+
+def _overlaps(timelines) -> int:
+    """Rounds whose drafting overlapped the verification of the previous round."""
+    count = 0
+    for timeline in timelines:
+        for prev, nxt in zip(timeline, timeline[1:]):
+            if nxt.draft_start < prev.verify_end and nxt.draft_end > prev.verify_start:
+                count += 1
+    return count
+
+
+def test_pipelined_greedy_equality_and_overlap(pipelined, prompt_ids, references):
+    timelines: list = []
+    _check_all(pipelined, prompt_ids, references, timelines)
+    assert pipelined.router.metrics.rounds > 0
+    assert _overlaps(timelines) > 0, "depth 2 must draft round r+1 while round r is verified"
+
+
+def test_sequential_greedy_equality_without_overlap(ray_local, prompt_ids, references):
+    cluster = start(ray_local, pipeline_depth=1)
+    try:
+        timelines: list = []
+        _check_all(cluster, prompt_ids, references, timelines)
+        assert _overlaps(timelines) == 0, "depth 1 drafts only after the previous verification"
+    finally:
+        cluster.shutdown()
+
+
+def test_ngram_pipelined_greedy_equality(ray_local, prompt_ids, references):
+    cluster = start(ray_local, engine=dict(proposer="ngram"), pipeline_depth=2)
+    try:
+        _check_all(cluster, prompt_ids, references)
+    finally:
+        cluster.shutdown()
+
+
+def test_concurrent_sessions_with_different_stops(pipelined, prompt_ids, references, tokenizer):
+    jobs = []
+    for i, ids in enumerate(prompt_ids):
+        ref = references[tuple(ids)]
+        if i % 3 == 0:
+            jobs.append((ids, SamplingParams(max_tokens=5 + i), ref[: 5 + i]))
+        elif i % 3 == 1:
+            jobs.append((ids, SamplingParams(max_tokens=MAX_TOKENS), ref))
+        else:
+            text = tokenizer.decode(ref, skip_special_tokens=True)
+            stop = text[8:11] if len(text) > 12 and text[8:11].strip() else None
+            jobs.append((ids, SamplingParams(max_tokens=MAX_TOKENS, stop=[stop] if stop else []), ref))
+    results: dict = {}
+
+    def run(i, ids, params):
+        results[i] = pipelined.generate(ids, params)
+
+    threads = [threading.Thread(target=run, args=(i, ids, params)) for i, (ids, params, _) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert len(results) == len(jobs)
+    for i, (ids, params, expected) in enumerate(jobs):
+        got = results[i].token_ids
+        if params.stop:
+            assert got == expected[: len(got)] and results[i].finish_reason == "stop"
+            assert results[i].text == tokenizer.decode(expected, skip_special_tokens=True).split(params.stop[0])[0]
+        else:
+            assert got == expected
+    assert {r.sessions for r in pipelined.router.replicas} == {0}
+
+
+def test_drafter_killed_mid_generation(pipelined, prompt_ids, references):
+    ids = prompt_ids[0]
+    before = pipelined.router.metrics.drafter_fallbacks
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(result=pipelined.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))))
+    rounds = pipelined.router.metrics.rounds
+    thread.start()
+    while pipelined.router.metrics.rounds < rounds + 2 and thread.is_alive():
+        time.sleep(0.01)
+    ray.kill(pipelined.drafter, no_restart=False)  # Ray restarts it for later sessions
+    thread.join(timeout=600)
+    assert box["result"].token_ids == references[tuple(ids)]
+    assert pipelined.router.metrics.drafter_fallbacks > before
+    ray.get(pipelined.drafter.ready.remote(), timeout=300)  # restarted
+    assert pipelined.generate(ids, SamplingParams(max_tokens=8)).token_ids == references[tuple(ids)][:8]
+
+
+def test_verifier_killed_mid_generation(pipelined, prompt_ids, references):
+    ids = prompt_ids[1]
+    before = pipelined.router.metrics.replays
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(result=pipelined.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))))
+    rounds = pipelined.router.metrics.rounds
+    thread.start()
+    while pipelined.router.metrics.rounds < rounds + 2 and thread.is_alive():
+        time.sleep(0.01)
+    busy = next(h for h in pipelined.router.replicas if h.sessions > 0)
+    replica = next(r for r in pipelined.replicas if r.name == busy.name)
+    ray.kill(replica.ranks[0], no_restart=False)
+    thread.join(timeout=600)
+    assert box["result"].token_ids == references[tuple(ids)]
+    assert pipelined.router.metrics.replays > before
+
+
+def test_tensor_parallel_3_on_fake_gpus(ray_local, prompt_ids, references):
+    config = dict(tensor_parallel_size=3, pipeline_depth=2,
+                  verifier_rank=PlacementConfig(num_gpus=1), drafter=PlacementConfig(num_gpus=0.25, resources={"draft_gpu": 1}))
+    cluster = start(ray_local, **config)
+    try:
+        table = ray.util.placement_group_table(cluster.replicas[0].placement_group)
+        assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 3
+        assert all(b.get("GPU") == 1 for b in table["bundles"].values())
+        drafter_table = ray.util.placement_group_table(cluster.drafter_pg)
+        assert drafter_table["bundles"][0] == {"CPU": 1.0, "GPU": 0.25, "draft_gpu": 1.0}
+        nodes = {ray.get(a.node_id.remote()) for a in cluster.replicas[0].ranks}
+        assert len(nodes) == 1
+        _check_all(cluster, prompt_ids[:2] + prompt_ids[6:7], references)
+    finally:
+        cluster.shutdown()
+
+
+def test_unplaceable_pool_is_a_clear_error(ray_local):
+    config = ClusterConfig(engine=EngineConfig(proposer="none"), num_verifier_replicas=2, tensor_parallel_size=3,
+                           verifier_rank=PlacementConfig(num_gpus=1), placement_timeout_s=3)
+    t0 = time.time()
+    with pytest.raises(ConfigError, match="cannot place the verifier pool"):
+        TandemCluster(config)
+    assert time.time() - t0 < 60
+
+
+def test_tensor_parallel_size_must_divide_kv_heads(ray_local):
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        TandemCluster(ClusterConfig(engine=EngineConfig(proposer="none"), tensor_parallel_size=2))
+
+
+def test_bad_internal_requests_get_clear_status(pipelined, prompt_ids):
+    replica = pipelined.router.replicas[0]
+    stub = rpc.VerifierStub(grpc.insecure_channel(replica.address))
+
+    def verify(*requests):
+        return list(stub.Verify(iter(requests), timeout=60))
+
+    with pytest.raises(grpc.RpcError) as e:
+        verify(pb.VerifyRequest(session="nope", round=0, epoch=0, bonus=True))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown session" in e.value.details()
+
+    stub.Open(pb.OpenRequest(session="bad", token_ids=prompt_ids[0], params=pb.SamplingParams(max_tokens=8)))
+    with pytest.raises(grpc.RpcError) as e:
+        verify(pb.VerifyRequest(session="bad", round=0, epoch=5, bonus=True))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "epoch" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        verify(pb.VerifyRequest(session="bad", round=0, proposal=pb.DraftProposal(token_ids=[10**7])))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token ids" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        bad_q = pb.DraftProposal(token_ids=[5, 6], draft_probs=[pb.DraftDistribution(token_ids=[5], probs=[1.0])])
+        verify(pb.VerifyRequest(session="bad", round=0, proposal=bad_q))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Open(pb.OpenRequest(session="empty", token_ids=[], params=pb.SamplingParams(max_tokens=8)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    # a stale round is answered, not an error; the session and the server keep serving
+    first = verify(pb.VerifyRequest(session="bad", round=0, epoch=0, proposal=pb.DraftProposal(token_ids=[0]), bonus=True),
+                   pb.VerifyRequest(session="bad", round=1, epoch=0, bonus=True))
+    assert len(first) == 2 and first[0].recovered and first[1].stale
+    assert stub.Health(pb.HealthRequest()).serving
+    assert stub.Release(pb.ReleaseRequest(session="bad")).released
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """A tiny random target and draft sharing a 10-word tokenizer, saved as HF model directories."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.helpers import tiny_llama
+
+    dirs = []
+    for seed in (1, 2):
+        path = tmp_path_factory.mktemp(f"tiny{seed}")
+        raw = Tokenizer(tok_models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0"))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0").save_pretrained(path)
+        tiny_llama(seed=seed).save_pretrained(path)
+        dirs.append(path)
+    return dirs
+
+
+def test_pipelined_sampling_follows_target(ray_local, tiny_dirs):
+    from cluster.models import load_causal_lm
+    from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
+
+    target_dir, draft_dir = tiny_dirs
+    cluster = start(ray_local, engine=dict(target=str(target_dir), draft=str(draft_dir), num_speculative_tokens=2),
+                    pipeline_depth=2)
+    try:
+        prompt = [1, 4, 2, 7]
+        params = SamplingParams(temperature=1.0, max_tokens=3)
+        exact = exact_continuation_probs(load_causal_lm(target_dir, "float32", "cpu"), prompt, 3, params)
+        samples = [tuple(cluster.generate(prompt, params.model_copy(update={"seed": i})).token_ids) for i in range(1500)]
+        assert cluster.router.metrics.stale_rounds > 0, "rejections with rounds in flight must have happened"
+        assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+    finally:
+        cluster.shutdown()

@@ -71,10 +71,11 @@ class VerifierReplicaHandle:
         self.name, self._resolve = name, resolve
         self.address = resolve()
         self.sessions = 0
+        self.healthy = True
         self._channel = grpc.insecure_channel(self.address)
         self.stub = rpc.VerifierStub(self._channel)
 
-    def refresh(self, timeout_s: float = 60.0) -> bool:
+    def refresh(self, timeout_s: float = 300.0) -> bool:
         """Ask for the address again (a restarted replica binds a new port)."""
         try:
             address = self._resolve(timeout_s)
@@ -86,7 +87,14 @@ class VerifierReplicaHandle:
             self.address = address
             self._channel = grpc.insecure_channel(address)
             self.stub = rpc.VerifierStub(self._channel)
+        self.healthy = True
         return True
+
+    def mark_failed(self) -> None:
+        """Take the replica out of placement until Ray has restarted it (in the background)."""
+        if self.healthy:
+            self.healthy = False
+            threading.Thread(target=self.refresh, daemon=True, name=f"refresh-{self.name}").start()
 
 
 class _Stream:
@@ -130,9 +138,11 @@ class Router:
 
     # -- placement -----------------------------------------------------------------------------
 
-    def _pick_replica(self, avoid: VerifierReplicaHandle | None = None) -> VerifierReplicaHandle:
+    def _pick_replica(self) -> VerifierReplicaHandle:
         with self._lock:
-            candidates = [r for r in self.replicas if r is not avoid] or self.replicas
+            candidates = [r for r in self.replicas if r.healthy]
+            if not candidates:
+                raise TandemError("no verifier replica is serving")
             replica = min(candidates, key=lambda r: r.sessions)  # least loaded
             replica.sessions += 1
             return replica
@@ -141,18 +151,31 @@ class Router:
         with self._lock:
             replica.sessions -= 1
 
-    def _open(self, session: str, committed: list[int], params: SamplingParams,
-              avoid: VerifierReplicaHandle | None = None) -> _Stream:
-        replica = self._pick_replica(avoid)
-        try:
-            replica.stub.Open(pb.OpenRequest(session=session, token_ids=committed, params=params_to_pb(params)),
-                              timeout=120)
-            return _Stream(replica, session)
-        except grpc.RpcError as e:
-            self._unpin(replica)
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidRequestError(e.details()) from None
-            raise
+    def _open(self, session: str, committed: list[int], params: SamplingParams, attempts: int = 1,
+              deadline_s: float = 300.0) -> _Stream:
+        """Open the session on the least-loaded healthy replica; with `attempts` > 1, replicas that fail
+        to answer are marked failed and the next one is tried (waiting for restarts until the deadline)."""
+        deadline = time.time() + deadline_s
+        for attempt in itertools.count(1):
+            try:
+                replica = self._pick_replica()
+            except TandemError:
+                if attempt >= attempts or time.time() > deadline:
+                    raise
+                time.sleep(0.5)
+                continue
+            try:
+                replica.stub.Open(pb.OpenRequest(session=session, token_ids=committed, params=params_to_pb(params)),
+                                  timeout=120)
+                return _Stream(replica, session)
+            except grpc.RpcError as e:
+                self._unpin(replica)
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequestError(e.details()) from None
+                if attempt >= attempts or time.time() > deadline:
+                    raise
+                log.warning("verifier replica %s did not open session %s (%s)", replica.name, session, e.code().name)
+                replica.mark_failed()
 
     # -- drafter calls (a dead drafter means plain decoding from here on) ------------------------
 
@@ -196,7 +219,7 @@ class Router:
         self._drafter_call(state, "start", session, prompt_ids, params.model_dump(), wait=True)
         committed = list(prompt_ids)
         output: list[int] = []
-        stream = self._open(session, committed, params)
+        stream = self._open(session, committed, params, attempts=1 + self.max_replays)
         stats.prefill_s = time.perf_counter() - t_start
         replays = 0
         try:
@@ -216,9 +239,9 @@ class Router:
                     self.metrics.add(replays=1)
                     stream.close()
                     self._unpin(failed)
-                    failed.refresh()
+                    failed.mark_failed()
                     state["sync"].append({"length": len(committed), "token_ids": []})
-                    stream = self._open(f"{session}r{replays}", committed, params, avoid=failed)
+                    stream = self._open(f"{session}r{replays}", committed, params, attempts=1 + self.max_replays)
         finally:
             stream.close()
             try:

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -162,7 +163,16 @@ class VerifierReplica:
             ).remote(config.engine.model_dump(), name, rank, tp, port))
 
     def resolve(self, timeout_s: float = 300.0) -> str:
-        address = ray.get(self.ranks[0].address.remote(), timeout=timeout_s)
+        """Rank 0's gRPC address, waiting while Ray (re)starts it."""
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                address = ray.get(self.ranks[0].address.remote(), timeout=max(1.0, deadline - time.time()))
+                break
+            except ray.exceptions.ActorUnavailableError:  # restarting
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.25)
         if not address:
             raise RuntimeError(f"verifier replica {self.name} has no address")
         return address
@@ -185,19 +195,20 @@ class TandemCluster:
         path = models.resolve_model_path(config.engine.target, config.engine.cache_dir)  # prepare once, here
         tokenizer = models.load_tokenizer(path)
         self._check_tp(path)
-        self.replicas = [VerifierReplica(f"verifier{i}", config) for i in range(config.num_verifier_replicas)]
+        self.id = uuid.uuid4().hex[:6]  # several clusters may share one Ray
+        self.replicas = [VerifierReplica(f"{self.id}-verifier{i}", config) for i in range(config.num_verifier_replicas)]
         self.drafter = None
         if config.engine.proposer != "none" and config.engine.num_speculative_tokens > 0:
             from cluster.drafter import Drafter
 
-            self.drafter_pg = placement_group([config.drafter.bundle()], name="tandem-drafter")
+            self.drafter_pg = placement_group([config.drafter.bundle()], name=f"tandem-{self.id}-drafter")
             self._wait_placed([self.drafter_pg], "the drafter", config.drafter.bundle())
             self.drafter = ray.remote(Drafter).options(
                 num_cpus=config.drafter.num_cpus, num_gpus=config.drafter.num_gpus,
                 resources=config.drafter.resources or None, max_restarts=-1, max_task_retries=0,
                 max_concurrency=256,  # concurrent proposes are batched inside
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.drafter_pg, 0),
-                name="tandem-drafter",
+                name=f"tandem-{self.id}-drafter",
             ).remote(config.engine.model_dump())
         self._wait_placed([r.placement_group for r in self.replicas], "the verifier pool",
                           config.verifier_rank.bundle(), config.tensor_parallel_size)

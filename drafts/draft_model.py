@@ -73,8 +73,10 @@ class DraftModelProposer(SequenceProposer):
 
     def rollback(self, session: SessionId, length: int, token_ids: Sequence[int] = ()) -> None:
         super().rollback(session, length, token_ids)
-        if self.runner.length(session) > length:
-            self.runner.truncate(session, length)
+        # keep the sequence's last token out of the KV: the next propose feeds it to get its logits
+        keep = min(length, len(self.tokens(session)) - 1)
+        if self.runner.length(session) > keep:
+            self.runner.truncate(session, keep)
 
     def release(self, session: SessionId) -> None:
         super().release(session)

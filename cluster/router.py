@@ -64,6 +64,10 @@ class RoundTiming:
     received: float = 0.0
 
 
+def _ema(old: float, new: float, weight: float = 0.1) -> float:
+    return new if old == 0.0 else (1 - weight) * old + weight * new
+
+
 class VerifierReplicaHandle:
     """A replica as the router sees it: a name, an address and a way to find the address again."""
 
@@ -119,7 +123,7 @@ class _Stream:
 class Router:
     def __init__(self, replicas: Sequence[VerifierReplicaHandle], drafter=None, tokenizer=None,
                  eos_token_ids: Sequence[int] = (), num_speculative_tokens: int = 4, pipeline_depth: int = 2,
-                 max_context: int = 8192, max_replays: int = 3):
+                 max_context: int = 8192, max_replays: int = 3, balance_pipeline: bool = True):
         if pipeline_depth < 1:
             raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
         if not replicas:
@@ -132,6 +136,11 @@ class Router:
         self.pipeline_depth = pipeline_depth
         self.max_context = max_context
         self.max_replays = max_replays
+        # Pipelined rounds pay off when drafting a round takes about as long as verifying one: with
+        # `balance_pipeline`, γ per round is capped at verify time / draft time per token (online EMAs).
+        self.balance_pipeline = balance_pipeline
+        self._draft_token_s = 0.0
+        self._verify_s = 0.0
         self.metrics = RouterMetrics()
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -268,6 +277,8 @@ class Router:
                 remaining = params.max_tokens - len(output) - optimistic
                 bonus = sequential
                 k = min(self.num_speculative_tokens, remaining - (1 if bonus else 0))
+                if not sequential and self.balance_pipeline and self._draft_token_s > 0 and self._verify_s > 0:
+                    k = min(k, max(1, round(self._verify_s / self._draft_token_s)))
                 if remaining <= 0:
                     break
                 t0 = time.time()
@@ -279,6 +290,8 @@ class Router:
                         drafts = proposal["token_ids"]
                         probs = [pb.DraftDistribution(token_ids=i, probs=p) for i, p in proposal["draft_probs"] or []]
                 t1 = time.time()
+                if drafts:
+                    self._draft_token_s = _ema(self._draft_token_s, (t1 - t0) / len(drafts))
                 if not drafts:
                     if live:
                         break  # nothing to add: wait for the rounds in flight
@@ -303,6 +316,7 @@ class Router:
                 continue
             timing.verify_start, timing.verify_end = result.verify_start, result.verify_end
             timing.received = received
+            self._verify_s = _ema(self._verify_s, result.verify_end - result.verify_start)
             stats.verify_s += result.verify_end - result.verify_start
             if timeline is not None:
                 timeline.append(timing)

@@ -58,6 +58,7 @@ class ClusterConfig(BaseModel):
     verifier_rank: PlacementConfig = Field(default_factory=PlacementConfig, description="Where each verifier rank runs (a large GPU).")
     placement_timeout_s: float = Field(60.0, gt=0, description="How long to wait for resources before failing.")
     max_verifier_restarts: int = Field(-1, ge=-1, description="Ray restarts of a verifier replica (-1: unlimited).")
+    balance_pipeline: bool = Field(True, description="Pipelined mode: cap γ per round at verify time / draft time per token, so neither side idles.")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
@@ -220,7 +221,8 @@ class TandemCluster:
         eos = AutoConfig.from_pretrained(path).eos_token_id
         self.router = Router(handles, self.drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
                              config.engine.num_speculative_tokens, config.pipeline_depth,
-                             max_context=AutoConfig.from_pretrained(path).max_position_embeddings)
+                             max_context=AutoConfig.from_pretrained(path).max_position_embeddings,
+                             balance_pipeline=config.balance_pipeline)
         self.tokenizer = tokenizer
 
     def _check_tp(self, path) -> None:

@@ -44,7 +44,12 @@ def _load():
     digest = hashlib.sha256(PROTO.read_bytes()).hexdigest()[:16]
     out = _HERE / "_generated" / f"v{digest}"
     if not (out / "tandem_pb2_grpc.py").is_file():
-        _generate(out)
+        try:
+            _generate(out)
+        except PermissionError:  # installed read-only: generate into the user's cache instead
+            out = Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem")) / "protos" / f"v{digest}"
+            if not (out / "tandem_pb2_grpc.py").is_file():
+                _generate(out)
     sys.path.insert(0, str(out))  # the generated grpc module imports `tandem_pb2` by bare name
     try:
         return importlib.import_module("tandem_pb2"), importlib.import_module("tandem_pb2_grpc")

@@ -110,6 +110,15 @@ def test_ngram_pipelined_greedy_equality(ray_local, prompt_ids, references):
         cluster.shutdown()
 
 
+def test_no_proposer_is_plain_decoding_through_the_cluster(ray_local, prompt_ids, references):
+    cluster = start(ray_local, engine=dict(proposer="none", num_speculative_tokens=0), pipeline_depth=2)
+    try:
+        assert cluster.drafter is None
+        _check_all(cluster, prompt_ids[:3], references)
+    finally:
+        cluster.shutdown()
+
+
 def test_concurrent_sessions_with_different_stops(pipelined, prompt_ids, references, tokenizer):
     jobs = []
     for i, ids in enumerate(prompt_ids):

@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster import models
-from cluster.errors import ConfigError
+from cluster.errors import ConfigError, validation_message
 from cluster.runner import TorchModelRunner
 from cluster.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer, quantized_copy
@@ -41,9 +41,7 @@ class EngineConfig(BaseModel):
         try:
             return cls(**{k: v for k, v in kwargs.items() if v is not None})
         except ValidationError as e:
-            first = e.errors()[0]
-            field = ".".join(str(x) for x in first["loc"])
-            raise ConfigError(f"{field}: {first['msg']}") from None
+            raise ConfigError(validation_message(e)) from None
 
 
 def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_tokenizer) -> Proposer | None:

@@ -11,3 +11,10 @@ class InvalidRequestError(TandemError, ValueError):
 
 class ConfigError(TandemError, ValueError):
     """The configuration or a model file is wrong; refused at construction."""
+
+
+def validation_message(error) -> str:
+    """One line from a pydantic ValidationError: the first problem, prefixed by its field."""
+    first = error.errors()[0]
+    field = ".".join(str(x) for x in first["loc"]) or "request"
+    return f"{field}: {first['msg']}"

@@ -30,6 +30,7 @@ import ray.exceptions
 from cluster.errors import InvalidRequestError, TandemError
 from cluster.sampling import SamplingParams
 from cluster.speculate import GenerationResult, SpeculationStats
+from cluster.stopping import StopChecker
 from cluster.verifier_server import params_to_pb
 from protos import pb, rpc
 
@@ -261,13 +262,14 @@ class Router:
             self._drafter_call(state, "release", session)
         stats.num_generated_tokens = len(output)
         stats.total_s = time.perf_counter() - t_start
-        return GenerationResult(output, self._text(output, params.stop), finish, stats)
+        return GenerationResult(output, StopChecker(self.tokenizer, (), params).text(output), finish, stats)
 
     def _run(self, session: str, stream: _Stream, committed: list[int], output: list[int],
              params: SamplingParams, state: dict, stats: SpeculationStats,
              timeline: list[RoundTiming] | None) -> str:
         """Drive rounds until a stop; returns the finish reason. Raises grpc.RpcError on a verifier fault."""
         sequential = self.pipeline_depth == 1
+        stops = StopChecker(self.tokenizer, self.eos_token_ids, params)
         epoch, optimistic = 0, 0  # optimistic: drafted tokens in flight beyond the committed ones
         in_flight: deque = deque()  # [round, epoch, num_drafts, stale, timing]
         round_ids = itertools.count()
@@ -334,34 +336,6 @@ class Router:
                 optimistic = 0
                 for entry in in_flight:
                     entry[3] = True
-
-            finish = None
-            if not params.ignore_eos:
-                for i, token in enumerate(new_tokens):
-                    if token in self.eos_token_ids:
-                        new_tokens, finish = new_tokens[: i + 1], "stop"
-                        break
-            output.extend(new_tokens)
-            if params.stop and finish is None:
-                cut = self._find_stop(output, len(new_tokens), params.stop)
-                if cut is not None:
-                    del output[cut:]
-                    finish = "stop"
-            if finish is None and len(output) >= params.max_tokens:
-                del output[params.max_tokens :]
-                finish = "length"
+            finish = stops.commit(output, new_tokens)
             if finish:
                 return finish
-
-    def _find_stop(self, output: list[int], num_new: int, stop: list[str]) -> int | None:
-        for end in range(len(output) - num_new + 1, len(output) + 1):
-            if any(s in self.tokenizer.decode(output[:end], skip_special_tokens=True) for s in stop):
-                return end
-        return None
-
-    def _text(self, output: list[int], stop: list[str]) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(output, skip_special_tokens=True)
-        cuts = [text.find(s) for s in stop if s in text]
-        return text[: min(cuts)] if cuts else text

@@ -19,7 +19,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine import EngineConfig
-from cluster.errors import ConfigError
+from cluster.errors import ConfigError, validation_message
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,7 @@ class ClusterConfig(BaseModel):
         try:
             return cls(**kwargs)
         except ValidationError as e:
-            first = e.errors()[0]
-            raise ConfigError(f"{'.'.join(str(x) for x in first['loc']) or 'config'}: {first['msg']}") from None
+            raise ConfigError(validation_message(e)) from None
 
 
 def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,

@@ -13,7 +13,7 @@ import os
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from cluster.errors import InvalidRequestError
+from cluster.errors import InvalidRequestError, validation_message
 
 
 class SamplingParams(BaseModel):
@@ -46,9 +46,7 @@ class SamplingParams(BaseModel):
         try:
             return cls(**kwargs)
         except ValidationError as e:
-            first = e.errors()[0]
-            field = ".".join(str(x) for x in first["loc"]) or "request"
-            raise InvalidRequestError(f"{field}: {first['msg']}") from None
+            raise InvalidRequestError(validation_message(e)) from None
 
     def with_seed(self) -> "SamplingParams":
         """A copy with a concrete seed (drawn from the OS when unset), fixed for the whole request."""

@@ -16,6 +16,7 @@ from cluster.errors import InvalidRequestError
 from cluster.rejection import rejection_sample
 from cluster.runner import TorchModelRunner
 from cluster.sampling import SamplingParams
+from cluster.stopping import StopChecker
 from drafts.proposer import Proposer
 
 
@@ -138,6 +139,7 @@ class SpeculativeDecoder:
                 stats: SpeculationStats) -> GenerationResult:
         committed = list(prompt_ids)  # the source of truth; the target caches all but the last
         output: list[int] = []
+        stops = StopChecker(self.tokenizer, self.eos_token_ids, params)
         finish_reason = "length"
         while len(output) < params.max_tokens:
             k = min(self.num_speculative_tokens, params.max_tokens - len(output) - 1)
@@ -158,34 +160,9 @@ class SpeculativeDecoder:
                 self.proposer.learn(session, len(drafts), result.num_accepted)
             stats.record_round(len(drafts), result.num_accepted)
 
-            new_tokens = result.output_token_ids
-            if not params.ignore_eos:
-                for i, token in enumerate(new_tokens):
-                    if token in self.eos_token_ids:
-                        new_tokens, finish_reason = new_tokens[: i + 1], "stop"
-                        break
-            committed.extend(new_tokens)
-            output.extend(new_tokens)
-            if params.stop:
-                cut = self._find_stop(output, len(new_tokens), params.stop)
-                if cut is not None:
-                    output, finish_reason = output[:cut], "stop"
-            if finish_reason == "stop":
+            committed.extend(result.output_token_ids)
+            finish_reason = stops.commit(output, list(result.output_token_ids))
+            if finish_reason:
                 break
         stats.num_generated_tokens = len(output)
-        return GenerationResult(output, self._text(output, params.stop), finish_reason, stats)
-
-    def _find_stop(self, output: list[int], num_new: int, stop: list[str]) -> int | None:
-        """Smallest token count whose text contains a stop string, looking only at new tokens."""
-        for end in range(len(output) - num_new + 1, len(output) + 1):
-            text = self.tokenizer.decode(output[:end], skip_special_tokens=True)
-            if any(s in text for s in stop):
-                return end
-        return None
-
-    def _text(self, output: list[int], stop: list[str]) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(output, skip_special_tokens=True)
-        cuts = [text.find(s) for s in stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        return GenerationResult(output, stops.text(output), finish_reason, stats)

@@ -44,3 +44,14 @@ def tiny_llama(seed: int, vocab_size: int = 10, sharpness: float = 8.0) -> Llama
         model.lm_head.weight.mul_(sharpness)
     model.generation_config.eos_token_id = None
     return model
+
+
+def greedy_references(model, prompt_ids: list[list[int]], max_tokens: int) -> dict[tuple[int, ...], list[int]]:
+    """transformers' own greedy output for each prompt: the reference every loop must equal."""
+    refs = {}
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=max_tokens)
+            refs[tuple(ids)] = out[0, len(ids):].tolist()
+    return refs

@@ -5,7 +5,6 @@ a near-tie of the target's best logit, as target-only decoding computed it. Exac
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cluster import models
 from cluster.engine import encode_prompt

@@ -9,13 +9,13 @@ import time
 import grpc
 import pytest
 import ray
-import torch
 
 from cluster.engine import EngineConfig, encode_prompt
 from cluster.errors import ConfigError
 from cluster.runtime import ClusterConfig, PlacementConfig, TandemCluster, init_local_ray
 from cluster.sampling import SamplingParams
 from protos import pb, rpc
+from tests.helpers import greedy_references
 
 MAX_TOKENS = 32
 PROMPTS = [
@@ -44,13 +44,7 @@ def prompt_ids(tokenizer):
 
 @pytest.fixture(scope="module")
 def references(target_fp32, prompt_ids):
-    refs = {}
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            out = target_fp32.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                       do_sample=False, max_new_tokens=MAX_TOKENS)
-            refs[tuple(ids)] = out[0, len(ids):].tolist()
-    return refs
+    return greedy_references(target_fp32, prompt_ids, MAX_TOKENS)
 
 
 def start(ray_local, **kwargs) -> TandemCluster:
@@ -152,18 +146,24 @@ def test_concurrent_sessions_with_different_stops(pipelined, prompt_ids, referen
     assert {r.sessions for r in pipelined.router.replicas} == {0}
 
 
+def _generate_and_kill(cluster, ids, kill) -> object:
+    """Generate in a thread; once two rounds are verified, call `kill`; return the result."""
+    box = {}
+    rounds = cluster.router.metrics.rounds
+    thread = threading.Thread(target=lambda: box.update(result=cluster.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))))
+    thread.start()
+    while cluster.router.metrics.rounds < rounds + 2 and thread.is_alive():
+        time.sleep(0.01)
+    kill()
+    thread.join(timeout=600)
+    return box["result"]
+
+
 def test_drafter_killed_mid_generation(pipelined, prompt_ids, references):
     ids = prompt_ids[0]
     before = pipelined.router.metrics.drafter_fallbacks
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(result=pipelined.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))))
-    rounds = pipelined.router.metrics.rounds
-    thread.start()
-    while pipelined.router.metrics.rounds < rounds + 2 and thread.is_alive():
-        time.sleep(0.01)
-    ray.kill(pipelined.drafter, no_restart=False)  # Ray restarts it for later sessions
-    thread.join(timeout=600)
-    assert box["result"].token_ids == references[tuple(ids)]
+    result = _generate_and_kill(pipelined, ids, lambda: ray.kill(pipelined.drafter, no_restart=False))
+    assert result.token_ids == references[tuple(ids)]
     assert pipelined.router.metrics.drafter_fallbacks > before
     deadline = time.time() + 300
     while True:  # Ray restarts the drafter
@@ -182,17 +182,14 @@ def test_drafter_killed_mid_generation(pipelined, prompt_ids, references):
 def test_verifier_killed_mid_generation(pipelined, prompt_ids, references):
     ids = prompt_ids[1]
     before = pipelined.router.metrics.replays
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(result=pipelined.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))))
-    rounds = pipelined.router.metrics.rounds
-    thread.start()
-    while pipelined.router.metrics.rounds < rounds + 2 and thread.is_alive():
-        time.sleep(0.01)
-    busy = next(h for h in pipelined.router.replicas if h.sessions > 0)
-    replica = next(r for r in pipelined.replicas if r.name == busy.name)
-    ray.kill(replica.ranks[0], no_restart=False)
-    thread.join(timeout=600)
-    assert box["result"].token_ids == references[tuple(ids)]
+
+    def kill_busy_replica():
+        busy = next(h for h in pipelined.router.replicas if h.sessions > 0)
+        replica = next(r for r in pipelined.replicas if r.name == busy.name)
+        ray.kill(replica.ranks[0], no_restart=False)
+
+    result = _generate_and_kill(pipelined, ids, kill_busy_replica)
+    assert result.token_ids == references[tuple(ids)]
     assert pipelined.router.metrics.replays > before
 
 

@@ -7,14 +7,13 @@ import inspect
 import json.decoder
 
 import pytest
-import torch
 
 from cluster.engine import encode_prompt
 from cluster.sampling import SamplingParams
 from cluster.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
 from drafts.ngram import NGramProposer
-from tests.helpers import OracleProposer
+from tests.helpers import OracleProposer, greedy_references
 
 MAX_TOKENS = 64
 
@@ -54,13 +53,7 @@ def prompt_ids(tokenizer):
 
 @pytest.fixture(scope="module")
 def references(target_fp32, prompt_ids):
-    refs = {}
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            out = target_fp32.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                       do_sample=False, max_new_tokens=MAX_TOKENS)
-            refs[tuple(ids)] = out[0, len(ids):].tolist()
-    return refs
+    return greedy_references(target_fp32, prompt_ids, MAX_TOKENS)
 
 
 def test_workload_covers_long_contexts_and_both_stops(prompt_ids, references, target_fp32):

@@ -6,7 +6,6 @@ rate of 1e-3 compares them with sampled continuations.
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

@@ -29,7 +29,7 @@ class EngineConfig(BaseModel):
     target: str = Field("default", description="Target model: 'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory.")
     proposer: Literal["draft", "ngram", "none"] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model) or 'none' (plain target decoding).")
     draft: str = Field(INT8_DRAFT, description="Draft model for proposer 'draft': 'int8' (int8 dynamic-quantized copy of the target) or a local model directory with the target's tokenizer.")
-    num_speculative_tokens: int = Field(4, ge=0, le=32, description="Tokens drafted per round (γ); 0 is plain target decoding.")
+    num_speculative_tokens: int = Field(3, ge=0, le=32, description="Tokens drafted per round (γ); 0 is plain target decoding.")
     dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Target (and model draft) dtype; the int8 draft computes in float32.")
     device: str | None = Field(None, description="torch device; CUDA when visible, else CPU.")
     threads: int | None = Field(1, ge=1, description="torch intra-op threads for this process (None leaves torch's default).")

@@ -63,18 +63,6 @@ class ModeResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _merge(total: SpeculationStats, one: SpeculationStats) -> None:
-    for name in ("num_prompt_tokens", "num_generated_tokens", "rounds", "drafted", "accepted", "rejections",
-                 "prefill_s", "draft_s", "verify_s", "total_s"):
-        setattr(total, name, getattr(total, name) + getattr(one, name))
-    for i, (d, a) in enumerate(zip(one.drafted_per_position, one.accepted_per_position)):
-        if i >= len(total.drafted_per_position):
-            total.drafted_per_position.append(0)
-            total.accepted_per_position.append(0)
-        total.drafted_per_position[i] += d
-        total.accepted_per_position[i] += a
-
-
 def _run_decoder(decoder: SpeculativeDecoder, prompts: list[list[int]], params: SamplingParams) -> ModeResult:
     result = ModeResult()
     for ids in prompts:
@@ -83,7 +71,7 @@ def _run_decoder(decoder: SpeculativeDecoder, prompts: list[list[int]], params: 
         result.seconds += time.perf_counter() - t0
         result.tokens += len(out.token_ids)
         result.outputs.append(out.token_ids)
-        _merge(result.stats, out.stats)
+        result.stats.merge(out.stats)
     return result
 
 

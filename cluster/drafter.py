@@ -123,14 +123,8 @@ class Drafter:
         self.batches += 1
         for session, (_, future) in proposes.items():
             proposal = proposals[session]
-            probs = None
-            if proposal.draft_probs is not None:
-                probs = []
-                for row in proposal.draft_probs:
-                    ids = torch.nonzero(row > 0).flatten()
-                    probs.append((ids.tolist(), row[ids].tolist()))
-            future.set_result({"token_ids": proposal.token_ids, "draft_probs": probs, "start": start, "end": end,
-                               "batch_size": len(proposes)})
+            future.set_result({"token_ids": proposal.token_ids, "draft_probs": proposal.sparse_probs(),
+                               "start": start, "end": end, "batch_size": len(proposes)})
 
     def stats(self) -> dict:
         return {"draft_s": self.draft_s, "idle_s": self.idle_s, "batches": self.batches}

@@ -29,7 +29,7 @@ import ray.exceptions
 
 from cluster.errors import InvalidRequestError, TandemError
 from cluster.sampling import SamplingParams
-from cluster.speculate import GenerationResult, SpeculationStats
+from cluster.speculate import GenerationResult, SpeculationStats, validate_request
 from cluster.stopping import StopChecker
 from cluster.verifier_server import params_to_pb
 from protos import pb, rpc
@@ -205,15 +205,7 @@ class Router:
     # -- one request -----------------------------------------------------------------------------
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        if len(prompt_ids) == 0:
-            raise InvalidRequestError("the prompt is empty")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_context:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context length of {self.max_context} tokens")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer")
+        validate_request(prompt_ids, params, self.max_context, self.tokenizer)  # the verifier checks ids
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  timeline: list[RoundTiming] | None = None) -> GenerationResult:

@@ -193,8 +193,11 @@ class TandemCluster:
         self.config = config
         init_local_ray()
         path = models.resolve_model_path(config.engine.target, config.engine.cache_dir)  # prepare once, here
+        from transformers import AutoConfig
+
         tokenizer = models.load_tokenizer(path)
-        self._check_tp(path)
+        model_config = AutoConfig.from_pretrained(path)
+        self._check_tp(model_config.num_key_value_heads)
         self.id = uuid.uuid4().hex[:6]  # several clusters may share one Ray
         self.replicas = [VerifierReplica(f"{self.id}-verifier{i}", config) for i in range(config.num_verifier_replicas)]
         self.drafter = None
@@ -215,20 +218,15 @@ class TandemCluster:
         if self.drafter is not None:
             ray.get(self.drafter.ready.remote(), timeout=300)
         handles = [VerifierReplicaHandle(r.name, r.resolve) for r in self.replicas]
-        from transformers import AutoConfig
-
-        eos = AutoConfig.from_pretrained(path).eos_token_id
+        eos = model_config.eos_token_id
         self.router = Router(handles, self.drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
                              config.engine.num_speculative_tokens, config.pipeline_depth,
-                             max_context=AutoConfig.from_pretrained(path).max_position_embeddings,
+                             max_context=model_config.max_position_embeddings,
                              balance_pipeline=config.balance_pipeline)
         self.tokenizer = tokenizer
 
-    def _check_tp(self, path) -> None:
-        from transformers import AutoConfig
-
+    def _check_tp(self, kv_heads: int) -> None:
         tp = self.config.tensor_parallel_size
-        kv_heads = AutoConfig.from_pretrained(path).num_key_value_heads
         if kv_heads % tp:
             raise ConfigError(f"tensor_parallel_size={tp} must divide the target's num_key_value_heads={kv_heads}")
 

@@ -63,11 +63,40 @@ class SpeculationStats:
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < num_accepted)
 
+    def merge(self, other: "SpeculationStats") -> None:
+        """Add another request's figures to these (for totals over a workload)."""
+        for name in ("num_prompt_tokens", "num_generated_tokens", "rounds", "drafted", "accepted", "rejections",
+                     "prefill_s", "draft_s", "verify_s", "total_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        while len(self.drafted_per_position) < len(other.drafted_per_position):
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i, (d, a) in enumerate(zip(other.drafted_per_position, other.accepted_per_position)):
+            self.drafted_per_position[i] += d
+            self.accepted_per_position[i] += a
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
                    tokens_per_s=self.tokens_per_s)
         return out
+
+
+def validate_request(prompt_ids: Sequence[int], params: SamplingParams, max_context: int, tokenizer,
+                     vocab_size: int | None = None) -> None:
+    """What every decoding loop refuses before it starts (vocabulary checked when `vocab_size` is given)."""
+    if len(prompt_ids) == 0:
+        raise InvalidRequestError("the prompt is empty")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_context:
+        raise InvalidRequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the model's context length of {max_context} tokens"
+        )
+    if params.stop and tokenizer is None:
+        raise InvalidRequestError("stop strings need a tokenizer")
 
 
 @dataclass
@@ -100,18 +129,7 @@ class SpeculativeDecoder:
         self._ids = itertools.count()
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        if len(prompt_ids) == 0:
-            raise InvalidRequestError("the prompt is empty")
-        if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.target.max_context:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context length of {self.target.max_context} tokens"
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer")
+        validate_request(prompt_ids, params, self.target.max_context, self.tokenizer, self.target.vocab_size)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
         prompt_ids = list(prompt_ids)

@@ -17,9 +17,6 @@ from cluster.runner import TorchModelRunner
 
 log = logging.getLogger(__name__)
 
-_STOP = ("stop",)
-
-
 def load_tp_model(path, dtype: str, rank: int, world_size: int, master_port: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -77,11 +74,9 @@ class TPLeaderRunner:
 
 
 def follow(runner: TorchModelRunner) -> None:
-    """A follower rank: run whatever rank 0 runs, until told to stop."""
+    """A follower rank (a daemon thread): run whatever rank 0 runs, for the life of the actor."""
     while True:
         name, args = _broadcast(None)
-        if (name,) == _STOP:
-            return
         try:
             getattr(runner, name)(*args)
         except Exception:  # rank 0 meets the same error and reports it

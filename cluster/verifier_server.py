@@ -51,17 +51,6 @@ def dense_draft_probs(proposal, vocab_size: int) -> torch.Tensor | None:
     return q
 
 
-def sparse_draft_probs(q: torch.Tensor | None) -> list:
-    """q  # [k, vocab_size] -> its non-zero entries, per position."""
-    if q is None:
-        return []
-    out = []
-    for row in q:
-        ids = torch.nonzero(row > 0).flatten()
-        out.append(pb.DraftDistribution(token_ids=ids.tolist(), probs=row[ids].tolist()))
-    return out
-
-
 def result_to_pb(r: RoundResult):
     return pb.VerifyResult(session=r.session, round=r.round, epoch=r.epoch, num_accepted=r.num_accepted,
                            output_token_ids=r.output_token_ids, recovered=r.recovered, bonus=r.bonus,

@@ -28,6 +28,16 @@ class DraftProposal:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def sparse_probs(self) -> list[tuple[list[int], list[float]]] | None:
+        """q's non-zero entries per position, (ids, probs): what crosses the wire."""
+        if self.draft_probs is None:
+            return None
+        rows = []
+        for row in self.draft_probs:
+            ids = torch.nonzero(row > 0).flatten()
+            rows.append((ids.tolist(), row[ids].tolist()))
+        return rows
+
 
 @runtime_checkable
 class Proposer(Protocol):

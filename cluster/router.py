@@ -32,6 +32,7 @@ from cluster.sampling import SamplingParams
 from cluster.speculate import GenerationResult, SpeculationStats, validate_request
 from cluster.stopping import StopChecker
 from cluster.verifier_server import params_to_pb
+from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from protos import pb, rpc
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class RouterMetrics:
     stale_rounds: int = 0
     replays: int = 0  # sessions moved to another verifier replica after a failure
     drafter_fallbacks: int = 0  # sessions that lost their drafter and went on with plain decoding
+    pipeline_stalls: int = 0  # pipelined rounds sent when the verifier had nothing queued for the session
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -102,13 +104,61 @@ class VerifierReplicaHandle:
             threading.Thread(target=self.refresh, daemon=True, name=f"refresh-{self.name}").start()
 
 
+class StaticVerifierPool:
+    """A fixed list of replicas (the `TandemCluster` runtime): sessions go to the least-loaded healthy one."""
+
+    def __init__(self, replicas: Sequence[VerifierReplicaHandle]):
+        if not replicas:
+            raise InvalidRequestError("the verifier pool is empty")
+        self.replicas = list(replicas)
+        self._lock = threading.Lock()
+
+    def acquire(self, session: str) -> "VerifierLease":
+        with self._lock:
+            candidates = [r for r in self.replicas if r.healthy]
+            if not candidates:
+                raise TandemError("no verifier replica is serving")
+            replica = min(candidates, key=lambda r: r.sessions)  # least loaded
+            replica.sessions += 1
+        return VerifierLease(replica, release=lambda: self._unpin(replica))
+
+    def _unpin(self, replica: VerifierReplicaHandle) -> None:
+        with self._lock:
+            replica.sessions -= 1
+
+
+class VerifierLease:
+    """A session's hold on one verifier replica; `release` is called exactly once."""
+
+    def __init__(self, replica: VerifierReplicaHandle, release=lambda: None):
+        self.replica = replica
+        self._release = release
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
+
+
+class StaticDrafter:
+    """One drafter actor for every session (the `TandemCluster` runtime)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def acquire(self, session: str):
+        """(actor handle, release callback) for one session."""
+        return self.actor, lambda: None
+
+
 class _Stream:
     """One session's open bidirectional Verify stream."""
 
-    def __init__(self, replica: VerifierReplicaHandle, session: str):
-        self.replica, self.session = replica, session
+    def __init__(self, lease: VerifierLease, session: str):
+        self.lease, self.replica, self.session = lease, lease.replica, session
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._responses = replica.stub.Verify(iter(self._requests.get, None))
+        self._responses = self.replica.stub.Verify(iter(self._requests.get, None))
 
     def send(self, request) -> None:
         self._requests.put(request)
@@ -122,14 +172,18 @@ class _Stream:
 
 
 class Router:
-    def __init__(self, replicas: Sequence[VerifierReplicaHandle], drafter=None, tokenizer=None,
+    """`pool`: a list of replica handles or any object with `acquire(session) -> VerifierLease`;
+    `drafter`: a drafter actor or any object with `acquire(session) -> (actor, release)`."""
+
+    def __init__(self, pool, drafter=None, tokenizer=None,
                  eos_token_ids: Sequence[int] = (), num_speculative_tokens: int = 4, pipeline_depth: int = 2,
-                 max_context: int = 8192, max_replays: int = 3, balance_pipeline: bool = True):
+                 max_context: int = 8192, max_replays: int = 3, balance_pipeline: bool = True,
+                 policy: SpeculationPolicyConfig | None = None):
         if pipeline_depth < 1:
             raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
-        if not replicas:
-            raise InvalidRequestError("the verifier pool is empty")
-        self.replicas = list(replicas)
+        self.pool = StaticVerifierPool(pool) if isinstance(pool, (list, tuple)) else pool
+        if drafter is not None and not hasattr(drafter, "acquire"):
+            drafter = StaticDrafter(drafter)
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -140,46 +194,47 @@ class Router:
         # Pipelined rounds pay off when drafting a round takes about as long as verifying one: with
         # `balance_pipeline`, γ per round is capped at verify time / draft time per token (online EMAs).
         self.balance_pipeline = balance_pipeline
+        # γ per session from the cost model; not adaptive unless configured (tests pin γ exactly)
+        self.policy = SpeculationPolicy(policy or SpeculationPolicyConfig(adaptive=False),
+                                        self.num_speculative_tokens, pipelined=pipeline_depth > 1)
         self._draft_token_s = 0.0
         self._verify_s = 0.0
         self.metrics = RouterMetrics()
-        self._lock = threading.Lock()
         self._ids = itertools.count()
+
+    @property
+    def replicas(self) -> list[VerifierReplicaHandle]:
+        return getattr(self.pool, "replicas", [])
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Measured c: draft time per token over one verify step (None until both are measured)."""
+        if self._draft_token_s > 0 and self._verify_s > 0:
+            return self._draft_token_s / self._verify_s
+        return None
 
     # -- placement -----------------------------------------------------------------------------
 
-    def _pick_replica(self) -> VerifierReplicaHandle:
-        with self._lock:
-            candidates = [r for r in self.replicas if r.healthy]
-            if not candidates:
-                raise TandemError("no verifier replica is serving")
-            replica = min(candidates, key=lambda r: r.sessions)  # least loaded
-            replica.sessions += 1
-            return replica
-
-    def _unpin(self, replica: VerifierReplicaHandle) -> None:
-        with self._lock:
-            replica.sessions -= 1
-
     def _open(self, session: str, committed: list[int], params: SamplingParams, attempts: int = 1,
               deadline_s: float = 300.0) -> _Stream:
-        """Open the session on the least-loaded healthy replica; with `attempts` > 1, replicas that fail
-        to answer are marked failed and the next one is tried (waiting for restarts until the deadline)."""
+        """Open the session on a replica the pool picks; with `attempts` > 1, replicas that fail to
+        answer are marked failed and the next one is tried (waiting for restarts until the deadline)."""
         deadline = time.time() + deadline_s
         for attempt in itertools.count(1):
             try:
-                replica = self._pick_replica()
+                lease = self.pool.acquire(session)
             except TandemError:
                 if attempt >= attempts or time.time() > deadline:
                     raise
                 time.sleep(0.5)
                 continue
+            replica = lease.replica
             try:
                 replica.stub.Open(pb.OpenRequest(session=session, token_ids=committed, params=params_to_pb(params)),
                                   timeout=120)
-                return _Stream(replica, session)
+                return _Stream(lease, session)
             except grpc.RpcError as e:
-                self._unpin(replica)
+                lease.release()
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(e.details()) from None
                 if attempt >= attempts or time.time() > deadline:
@@ -193,7 +248,7 @@ class Router:
         if not state["drafting"]:
             return None
         try:
-            ref = getattr(self.drafter, method).remote(*args)
+            ref = getattr(state["drafter"], method).remote(*args)
             return ray.get(ref, timeout=120) if wait else ref
         except _DRAFTER_ERRORS + (ray.exceptions.GetTimeoutError,) as e:
             log.warning("drafter failed during %s of session %s (%s): continuing with plain target decoding",
@@ -202,13 +257,28 @@ class Router:
             state["drafting"] = False
             return None
 
+    def _acquire_drafter(self, session: str, state: dict) -> None:
+        if not state["drafting"]:
+            return
+        try:
+            state["drafter"], state["release_drafter"] = self.drafter.acquire(session)
+        except Exception as e:  # no drafter replica could take the session
+            log.warning("no drafter for session %s (%s: %s): plain target decoding", session, type(e).__name__, e)
+            self.metrics.add(drafter_fallbacks=1)
+            state["drafting"] = False
+
     # -- one request -----------------------------------------------------------------------------
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.max_context, self.tokenizer)  # the verifier checks ids
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 timeline: list[RoundTiming] | None = None) -> GenerationResult:
+                 timeline: list[RoundTiming] | None = None, on_tokens=None,
+                 cancelled: threading.Event | None = None, max_speculative_tokens: int | None = None,
+                 ) -> GenerationResult:
+        """Run one request to its end. `on_tokens(new_output_tokens)` is called as tokens are committed;
+        setting `cancelled` ends the request early (finish reason "cancelled") and frees its state;
+        `max_speculative_tokens` caps γ for this request (0 = plain decoding)."""
         prompt_ids = list(prompt_ids)
         self.validate(prompt_ids, params)
         params = params.with_seed()
@@ -216,15 +286,21 @@ class Router:
         self.metrics.add(sessions=1)
         stats = SpeculationStats(num_prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
+        max_gamma = self.num_speculative_tokens if max_speculative_tokens is None else \
+            min(self.num_speculative_tokens, max_speculative_tokens)
         # drafter state: whether it is alive, and the rollback/feedback ops owed to it, sent with the next propose
-        state = {"drafting": self.drafter is not None and self.num_speculative_tokens > 0, "sync": []}
-        self._drafter_call(state, "start", session, prompt_ids, params.model_dump(), wait=True)
+        state = {"drafting": self.drafter is not None and max_gamma > 0, "sync": [], "drafter": None,
+                 "release_drafter": lambda: None, "max_gamma": max_gamma, "policy": self.policy.session(),
+                 "on_tokens": on_tokens, "cancelled": cancelled}
         committed = list(prompt_ids)
         output: list[int] = []
-        stream = self._open(session, committed, params, attempts=1 + self.max_replays)
-        stats.prefill_s = time.perf_counter() - t_start
-        replays = 0
+        stream = None
         try:
+            self._acquire_drafter(session, state)
+            self._drafter_call(state, "start", session, prompt_ids, params.model_dump(), wait=True)
+            stream = self._open(session, committed, params, attempts=1 + self.max_replays)
+            stats.prefill_s = time.perf_counter() - t_start
+            replays = 0
             while True:
                 try:
                     finish = self._run(session, stream, committed, output, params, state, stats, timeline)
@@ -240,21 +316,30 @@ class Router:
                                 "another replica", failed.name, e.code().name, session, len(output))
                     self.metrics.add(replays=1)
                     stream.close()
-                    self._unpin(failed)
+                    stream.lease.release()
                     failed.mark_failed()
                     state["sync"].append({"length": len(committed), "token_ids": []})
+                    stream = None
                     stream = self._open(f"{session}r{replays}", committed, params, attempts=1 + self.max_replays)
         finally:
-            stream.close()
-            try:
-                stream.replica.stub.Release(pb.ReleaseRequest(session=stream.session), timeout=10)
-            except grpc.RpcError:
-                pass
-            self._unpin(stream.replica)
+            if stream is not None:
+                stream.close()
+                try:
+                    stream.replica.stub.Release(pb.ReleaseRequest(session=stream.session), timeout=10)
+                except grpc.RpcError:
+                    pass
+                stream.lease.release()
             self._drafter_call(state, "release", session)
+            state["release_drafter"]()
         stats.num_generated_tokens = len(output)
         stats.total_s = time.perf_counter() - t_start
         return GenerationResult(output, StopChecker(self.tokenizer, (), params).text(output), finish, stats)
+
+    def _choose_gamma(self, state: dict, remaining: int, bonus: bool, verifier_sessions: int) -> int:
+        limit = min(state["max_gamma"], remaining - (1 if bonus else 0))
+        if self.pipeline_depth > 1 and self.balance_pipeline and self.cost_ratio:
+            limit = min(limit, max(1, round(1 / self.cost_ratio)))
+        return state["policy"].gamma(remaining, limit, self.cost_ratio, verifier_sessions)
 
     def _run(self, session: str, stream: _Stream, committed: list[int], output: list[int],
              params: SamplingParams, state: dict, stats: SpeculationStats,
@@ -265,16 +350,18 @@ class Router:
         epoch, optimistic = 0, 0  # optimistic: drafted tokens in flight beyond the committed ones
         in_flight: deque = deque()  # [round, epoch, num_drafts, stale, timing]
         round_ids = itertools.count()
+        verifier_sessions = 0
+        cancelled: threading.Event | None = state["cancelled"]
         while True:
+            if cancelled is not None and cancelled.is_set():
+                return "cancelled"
             live = sum(1 for entry in in_flight if not entry[3])
             while live < self.pipeline_depth:
                 remaining = params.max_tokens - len(output) - optimistic
-                bonus = sequential
-                k = min(self.num_speculative_tokens, remaining - (1 if bonus else 0))
-                if not sequential and self.balance_pipeline and self._draft_token_s > 0 and self._verify_s > 0:
-                    k = min(k, max(1, round(self._verify_s / self._draft_token_s)))
                 if remaining <= 0:
                     break
+                bonus = sequential
+                k = self._choose_gamma(state, remaining, bonus, verifier_sessions) if state["drafting"] else 0
                 t0 = time.time()
                 drafts, probs = [], []
                 if k > 0 and state["drafting"]:
@@ -291,6 +378,8 @@ class Router:
                         break  # nothing to add: wait for the rounds in flight
                     bonus = True  # a plain decoding step
                 rnd = next(round_ids)
+                if not sequential and not in_flight and rnd > 0:
+                    self.metrics.add(pipeline_stalls=1)  # the verifier had nothing queued for this session
                 stream.send(pb.VerifyRequest(session=stream.session, round=rnd, epoch=epoch, bonus=bonus,
                                              proposal=pb.DraftProposal(token_ids=drafts, draft_probs=probs)))
                 timing = RoundTiming(rnd, t0, t1, sent=time.time())
@@ -298,6 +387,7 @@ class Router:
                 optimistic += len(drafts)
                 live += 1
                 stats.draft_s += t1 - t0
+                stats.record_gamma(len(drafts))
                 if bonus:
                     break  # the next round starts from this one's bonus token
             result = stream.receive()
@@ -308,6 +398,7 @@ class Router:
             if stale or result.stale:
                 self.metrics.add(stale_rounds=1)
                 continue
+            verifier_sessions = result.active_sessions
             timing.verify_start, timing.verify_end = result.verify_start, result.verify_end
             timing.received = received
             self._verify_s = _ema(self._verify_s, result.verify_end - result.verify_start)
@@ -316,6 +407,7 @@ class Router:
                 timeline.append(timing)
             optimistic -= num_drafts
             stats.record_round(num_drafts, result.num_accepted)
+            state["policy"].learn(num_drafts, result.num_accepted)
             self.metrics.add(rounds=1)
             new_tokens = list(result.output_token_ids)
             committed.extend(new_tokens)
@@ -328,6 +420,9 @@ class Router:
                 optimistic = 0
                 for entry in in_flight:
                     entry[3] = True
+            before = len(output)
             finish = stops.commit(output, new_tokens)
+            if state["on_tokens"] is not None and len(output) > before:
+                state["on_tokens"](output[before:])
             if finish:
                 return finish

@@ -32,6 +32,7 @@ class SpeculationStats:
     rejections: int = 0  # rounds that ended in a recovered token
     accepted_per_position: list[int] = field(default_factory=list)  # accepted at draft position i
     drafted_per_position: list[int] = field(default_factory=list)  # drafted at draft position i
+    gamma_counts: list[int] = field(default_factory=list)  # rounds that drafted γ tokens, by γ
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -51,6 +52,11 @@ class SpeculationStats:
         decode_s = self.total_s - self.prefill_s
         return self.num_generated_tokens / decode_s if decode_s > 0 else 0.0
 
+    def record_gamma(self, gamma: int) -> None:
+        while len(self.gamma_counts) <= gamma:
+            self.gamma_counts.append(0)
+        self.gamma_counts[gamma] += 1
+
     def record_round(self, num_drafted: int, num_accepted: int) -> None:
         self.rounds += 1
         self.drafted += num_drafted
@@ -68,12 +74,11 @@ class SpeculationStats:
         for name in ("num_prompt_tokens", "num_generated_tokens", "rounds", "drafted", "accepted", "rejections",
                      "prefill_s", "draft_s", "verify_s", "total_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        while len(self.drafted_per_position) < len(other.drafted_per_position):
-            self.drafted_per_position.append(0)
-            self.accepted_per_position.append(0)
-        for i, (d, a) in enumerate(zip(other.drafted_per_position, other.accepted_per_position)):
-            self.drafted_per_position[i] += d
-            self.accepted_per_position[i] += a
+        for name in ("drafted_per_position", "accepted_per_position", "gamma_counts"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -176,6 +181,7 @@ class SpeculativeDecoder:
             if self.proposer is not None:
                 self.proposer.rollback(session, base + result.num_accepted, result.output_token_ids[-1:])
                 self.proposer.learn(session, len(drafts), result.num_accepted)
+            stats.record_gamma(len(drafts))
             stats.record_round(len(drafts), result.num_accepted)
 
             committed.extend(result.output_token_ids)

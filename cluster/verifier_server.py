@@ -51,10 +51,11 @@ def dense_draft_probs(proposal, vocab_size: int) -> torch.Tensor | None:
     return q
 
 
-def result_to_pb(r: RoundResult):
+def result_to_pb(r: RoundResult, active_sessions: int = 0):
     return pb.VerifyResult(session=r.session, round=r.round, epoch=r.epoch, num_accepted=r.num_accepted,
                            output_token_ids=r.output_token_ids, recovered=r.recovered, bonus=r.bonus,
-                           stale=r.stale, verify_start=r.verify_start, verify_end=r.verify_end)
+                           stale=r.stale, verify_start=r.verify_start, verify_end=r.verify_end,
+                           active_sessions=active_sessions)
 
 
 _END = object()
@@ -107,7 +108,7 @@ class VerifierServicer(rpc.VerifierServicer):
             if isinstance(item, Exception):
                 context.abort(grpc.StatusCode.INTERNAL, f"verification failed: {item}")
             delivered += 1
-            yield result_to_pb(item)
+            yield result_to_pb(item, self.engine.num_sessions)
 
 
 def serve(engine: VerifierEngine, replica: str, host: str = "127.0.0.1", port: int = 0,

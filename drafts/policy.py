@@ -1,0 +1,122 @@
+"""Draft-length policy: how many tokens to draft per round (γ), per session, from the cost model.
+
+With per-token acceptance α, γ drafts and cost ratio c = t_draft / t_target (per token):
+
+- expected tokens per verification round  E(α, γ) = (1 − α^(γ+1)) / (1 − α)
+- sequential speculation, time per round   1 + γ·c + γ·v      (v: extra verify cost per draft)
+- pipelined (draft overlapped with verify)  max(1 + γ·v, γ·c)
+
+The policy picks the γ in 0..max that maximises E / time (γ = 0 is plain decoding, speedup 1) from
+an online estimate of α per session, and drafts nothing in the three cases where speculation does
+not pay: the verifiers are saturated (batched plain decoding already uses the compute), the request
+has too few tokens left to gain, or the text is unpredictable (low α). A session at γ = 0 drafts
+one token every `probe_every` rounds so that α can recover.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens committed per round (accepted drafts + the recovered or bonus token)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, pipelined: bool = False,
+                      verify_token_cost: float = 0.0) -> float:
+    """Tokens per unit of target-step time, relative to plain decoding."""
+    if gamma == 0:
+        return 1.0
+    if pipelined:
+        time = max(1.0 + gamma * verify_token_cost, gamma * cost_ratio)
+    else:
+        time = 1.0 + gamma * (cost_ratio + verify_token_cost)
+    return expected_tokens(alpha, gamma) / time
+
+
+class SpeculationPolicyConfig(BaseModel):
+    """The knobs of the draft-length policy (documented in the README)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    adaptive: bool = Field(True, description="Choose γ per round from the cost model; False always drafts the maximum γ.")
+    prior_acceptance: float = Field(0.7, gt=0.0, lt=1.0, description="α assumed for a new session before any round is verified.")
+    acceptance_weight: float = Field(0.25, gt=0.0, le=1.0, description="Weight of the newest round in the session's running α estimate.")
+    prior_cost_ratio: float = Field(0.4, gt=0.0, description="c assumed until draft and verify times have been measured.")
+    verify_token_cost: float = Field(0.03, ge=0.0, description="Extra verify time per drafted token, as a fraction of one target step.")
+    min_speedup: float = Field(1.05, ge=1.0, description="Draft only when the predicted speedup reaches this; else plain decoding.")
+    min_remaining_tokens: int = Field(2, ge=1, description="Plain decoding when fewer tokens than this are left to generate.")
+    saturation_sessions: int = Field(0, ge=0, description="Plain decoding when a verifier replica holds at least this many sessions (0: never).")
+    probe_every: int = Field(16, ge=1, description="A session at γ = 0 drafts one token every this many rounds to re-estimate α.")
+
+
+class SpeculationPolicy:
+    """Shared by every session of a router (or a single-process loop); `session()` makes the per-session state."""
+
+    def __init__(self, config: SpeculationPolicyConfig | None = None, max_gamma: int = 3, pipelined: bool = False):
+        self.config = config or SpeculationPolicyConfig()
+        self.max_gamma = max_gamma
+        self.pipelined = pipelined
+
+    def best_gamma(self, alpha: float, cost_ratio: float) -> tuple[int, float]:
+        """(γ, predicted speedup) maximising E / time over 0..max_gamma."""
+        best = (0, 1.0)
+        for gamma in range(1, self.max_gamma + 1):
+            speedup = predicted_speedup(alpha, gamma, cost_ratio, self.pipelined, self.config.verify_token_cost)
+            if speedup > best[1]:
+                best = (gamma, speedup)
+        return best if best[1] >= self.config.min_speedup else (0, 1.0)
+
+    def session(self) -> "SessionPolicy":
+        return SessionPolicy(self)
+
+
+class SessionPolicy:
+    """One session's running α estimate and its γ decisions."""
+
+    def __init__(self, policy: SpeculationPolicy):
+        self.policy = policy
+        config = policy.config
+        # α = accepted / trials, where every accepted draft is a success and a rejection one failure
+        self._successes = config.prior_acceptance
+        self._trials = 1.0
+        self._plain_rounds = 0
+
+    @property
+    def alpha(self) -> float:
+        return self._successes / self._trials if self._trials else 0.0
+
+    def learn(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        w = self.policy.config.acceptance_weight
+        rejected = int(num_accepted < num_drafted)
+        self._successes = (1 - w) * self._successes + w * num_accepted
+        self._trials = (1 - w) * self._trials + w * (num_accepted + rejected)
+
+    def gamma(self, remaining: int, limit: int | None = None, cost_ratio: float | None = None,
+              verifier_sessions: int = 0) -> int:
+        """Drafts for the next round: at most `limit` (default: max_gamma and remaining − 1, leaving
+        room for the round's own recovered or bonus token)."""
+        config, policy = self.policy.config, self.policy
+        limit = min(policy.max_gamma, remaining - 1 if limit is None else limit)
+        if limit <= 0:
+            return 0
+        if not config.adaptive:
+            return limit
+        if remaining < config.min_remaining_tokens:
+            return 0
+        if config.saturation_sessions and verifier_sessions >= config.saturation_sessions:
+            return 0
+        gamma, _ = policy.best_gamma(self.alpha, cost_ratio or config.prior_cost_ratio)
+        if gamma == 0:
+            self._plain_rounds += 1
+            if self._plain_rounds >= config.probe_every:
+                self._plain_rounds = 0
+                return 1
+            return 0
+        self._plain_rounds = 0
+        return min(gamma, limit)

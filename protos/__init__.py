@@ -58,3 +58,6 @@ def _load():
 
 
 pb, rpc = _load()
+
+# Import paths for Ray Serve's gRPC proxy (`grpc_options.grpc_servicer_functions` in ray_config.yaml).
+add_GenerationServicer_to_server = rpc.add_GenerationServicer_to_server

@@ -1,0 +1,71 @@
+"""`build_app(config) -> Application`: the ingress, the router, the drafter and the verifier pool as
+Serve deployments, wired by DeploymentHandles. `ray_config.yaml` imports it; its `args` are the
+`TandemAppConfig` fields."""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from cluster import models
+from cluster.errors import ConfigError
+from deployments.config import DeploymentSpec, TandemAppConfig
+from deployments.ingress import Ingress
+from deployments.pools import DrafterPool, VerifierPool
+from deployments.router import RouterDeployment
+
+VERIFIER_AUTOSCALING_POLICY = "deployments.autoscaling:verifier_pool_policy"
+
+
+def _options(spec: DeploymentSpec, name: str) -> dict:
+    return {"name": name, "max_ongoing_requests": spec.max_ongoing_requests, **spec.replica_options()}
+
+
+def _check_tensor_parallel(config: TandemAppConfig) -> None:
+    from transformers import AutoConfig
+
+    path = models.resolve_model_path(config.engine.target, config.engine.cache_dir)
+    kv_heads = AutoConfig.from_pretrained(path).num_key_value_heads
+    if kv_heads % config.tensor_parallel_size:
+        raise ConfigError(f"tensor_parallel_size={config.tensor_parallel_size} must divide the target's "
+                          f"num_key_value_heads={kv_heads}")
+
+
+def build_app(config: TandemAppConfig | dict | None = None) -> Application:
+    config = TandemAppConfig.build(config)
+    _check_tensor_parallel(config)
+    plain = config.model_dump(mode="json")
+    engine = config.engine.model_dump(mode="json")
+
+    rank = config.verifier.placement
+    bundles = [rank.bundle() for _ in range(config.tensor_parallel_size)]
+    verifier = serve.deployment(VerifierPool).options(
+        **_options(config.verifier, "VerifierPool"),
+        ray_actor_options={"num_cpus": rank.num_cpus, "num_gpus": rank.num_gpus,
+                           **({"resources": rank.resources} if rank.resources else {}),
+                           **({"accelerator_type": rank.accelerator_type} if rank.accelerator_type else {})},
+        **({"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+           if config.tensor_parallel_size > 1 else {}),
+        health_check_period_s=10, graceful_shutdown_timeout_s=30,
+    ).bind(engine, config.tensor_parallel_size, rank.model_dump(mode="json"))
+
+    drafter = None
+    if config.speculative:
+        drafter = serve.deployment(DrafterPool).options(
+            **_options(config.drafter, "DrafterPool"), ray_actor_options={"num_cpus": 0},
+            health_check_period_s=10,
+        ).bind(engine, config.drafter.placement.model_dump(mode="json"))
+
+    router_place = config.router.placement
+    router = serve.deployment(RouterDeployment).options(
+        **_options(config.router, "Router"),
+        ray_actor_options={"num_cpus": router_place.num_cpus, **({"resources": router_place.resources}
+                                                                  if router_place.resources else {})},
+    ).bind(plain, drafter, verifier)
+
+    ingress_place = config.ingress.placement
+    return serve.deployment(Ingress).options(
+        **_options(config.ingress, "Ingress"),
+        ray_actor_options={"num_cpus": ingress_place.num_cpus, **({"resources": ingress_place.resources}
+                                                                   if ingress_place.resources else {})},
+    ).bind(plain, router)

@@ -1,0 +1,105 @@
+"""The serving configuration: pydantic models, every field described. `ray_config.yaml`'s `args`
+go through `TandemAppConfig.build`, so a wrong field fails fast with a message that names it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cluster.engine import EngineConfig
+from cluster.errors import ConfigError, validation_message
+from cluster.runtime import PlacementConfig
+from drafts.policy import SpeculationPolicyConfig
+
+
+class AutoscalingSpec(BaseModel):
+    """Ray Serve autoscaling bounds for one deployment (its `autoscaling_config`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas (0 lets an idle deployment scale to zero).")
+    max_replicas: int = Field(1, ge=1, description="Most replicas.")
+    target_ongoing_requests: float = Field(8.0, gt=0, description="Ongoing requests per replica the autoscaler aims for (for the verifier pool and drafter: open sessions).")
+    upscale_delay_s: float = Field(10.0, ge=0, description="How long demand must stay high before adding replicas.")
+    downscale_delay_s: float = Field(120.0, ge=0, description="How long demand must stay low before removing replicas.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingSpec":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} must be <= max_replicas={self.max_replicas}")
+        return self
+
+    def serve_config(self, policy: str | None = None) -> dict[str, Any]:
+        config = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                  "target_ongoing_requests": self.target_ongoing_requests,
+                  "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
+        if policy:
+            config["policy"] = {"policy_function": policy}
+        return config
+
+
+class DeploymentSpec(BaseModel):
+    """How one deployment is replicated and where its replicas run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_replicas: int = Field(1, ge=1, le=1024, description="Fixed replica count (ignored when `autoscaling` is set).")
+    autoscaling: AutoscalingSpec | None = Field(None, description="Autoscale between bounds instead of a fixed count.")
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests (sessions, for verifier and drafter) one replica takes at once; more wait in Serve's queue.")
+    placement: PlacementConfig = Field(default_factory=lambda: PlacementConfig(num_cpus=0.0),
+                                       description="Resources per replica (per rank for the verifier pool; of the drafter actor for the drafter).")
+
+    def replica_options(self) -> dict[str, Any]:
+        if self.autoscaling is not None:
+            return {"autoscaling_config": self.autoscaling.serve_config()}
+        return {"num_replicas": self.num_replicas}
+
+
+def _default_verifier() -> DeploymentSpec:
+    return DeploymentSpec(placement=PlacementConfig(num_cpus=1.0), max_ongoing_requests=32)
+
+
+def _default_drafter() -> DeploymentSpec:
+    return DeploymentSpec(placement=PlacementConfig(num_cpus=1.0), max_ongoing_requests=64)
+
+
+class TandemAppConfig(BaseModel):
+    """The whole application: models, speculation, the four deployments and the API's limits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_id: str = Field("SmolLM2-135M-Instruct", min_length=1, description="Model name clients pass as `model` (and /v1/models lists).")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Target, draft / proposer, maximum γ, dtype, torch threads per model process.")
+    pipeline_depth: int = Field(2, ge=1, le=8, description="Rounds in flight per session; 1 = sequential speculative decoding.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target ranks per verifier replica (one STRICT_PACK placement group).")
+    balance_pipeline: bool = Field(True, description="Pipelined mode: cap γ at verify time / draft time per token.")
+    speculation: SpeculationPolicyConfig = Field(default_factory=SpeculationPolicyConfig, description="The draft-length policy (γ per session, plain decoding when it does not pay).")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out.")
+    max_tokens_limit: int | None = Field(None, ge=1, description="Refuse requests asking for more tokens (None: only the context length limits).")
+    api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty: no authentication.")
+    ingress: DeploymentSpec = Field(default_factory=DeploymentSpec, description="The HTTP / gRPC ingress (tokenizer, validation, SSE).")
+    router: DeploymentSpec = Field(default_factory=DeploymentSpec, description="Routers: drive sessions, own committed tokens.")
+    drafter: DeploymentSpec = Field(default_factory=_default_drafter, description="Drafters: the draft model on a cheap accelerator.")
+    verifier: DeploymentSpec = Field(default_factory=_default_verifier, description="The verifier pool: target model replicas, `tensor_parallel_size` ranks each.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TandemAppConfig":
+        if self.max_tokens_limit is not None and self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} must be <= max_tokens_limit={self.max_tokens_limit}")
+        if self.tensor_parallel_size > 1 and self.engine.device not in (None, "cpu") and self.verifier.placement.num_gpus < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} on GPUs needs verifier.placement.num_gpus >= 1")
+        return self
+
+    @property
+    def speculative(self) -> bool:
+        return self.engine.proposer != "none" and self.engine.num_speculative_tokens > 0
+
+    @classmethod
+    def build(cls, config: "TandemAppConfig | dict | None" = None) -> "TandemAppConfig":
+        if isinstance(config, cls):
+            return config
+        try:
+            return cls(**(config or {}))
+        except ValidationError as e:
+            raise ConfigError(f"invalid tandem config: {validation_message(e)}") from None

@@ -1,0 +1,136 @@
+"""The verifier pool and the drafter pool as Serve deployments, and the routers' view of them.
+
+A session holds a *lease* on one replica of each: a streaming call that yields where to reach the
+replica (the verifier's gRPC address; the drafter actor's handle) and then stays open until the
+session ends. Serve therefore counts open sessions as ongoing requests: its power-of-two-choices
+routing places a new session on the less loaded of two replicas, its queue holds sessions beyond
+`max_ongoing_requests`, and autoscaling on `target_ongoing_requests` scales each pool on sessions
+per replica (plus queued ones). Drafting and verifying then go straight to the replica (gRPC stream,
+actor calls), not through Serve's request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import ray
+from ray import serve
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.router import VerifierLease, VerifierReplicaHandle
+from cluster.runtime import VerifierRank, free_port
+
+log = logging.getLogger(__name__)
+
+
+async def _hold(cancelled: asyncio.Event) -> None:
+    await cancelled.wait()
+
+
+class VerifierPool:
+    """One verifier replica: rank 0 runs in this Serve replica (and serves gRPC on 127.0.0.1); ranks
+    1..N−1 are actors in the replica's own STRICT_PACK placement group."""
+
+    def __init__(self, engine_config: dict, tensor_parallel_size: int = 1, rank_placement: dict | None = None):
+        context = serve.get_replica_context()
+        name = f"verifier-{context.replica_id.unique_id}"
+        port = free_port() if tensor_parallel_size > 1 else 0
+        self.followers = []
+        if tensor_parallel_size > 1:
+            group = ray.util.get_current_placement_group()
+            rank_placement = rank_placement or {}
+            actor_cls = ray.remote(VerifierRank)
+            for rank in range(1, tensor_parallel_size):
+                self.followers.append(actor_cls.options(
+                    num_cpus=rank_placement.get("num_cpus", 1), num_gpus=rank_placement.get("num_gpus", 0),
+                    resources=rank_placement.get("resources") or None, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+                ).remote(engine_config, name, rank, tensor_parallel_size, port))
+        self.rank0 = VerifierRank(engine_config, name, 0, tensor_parallel_size, port)
+        self.name = name
+        log.info("verifier replica %s serving on %s (tensor_parallel_size=%d)", name, self.rank0.address(),
+                 tensor_parallel_size)
+
+    async def lease(self, session: str):
+        """Yields this replica's gRPC address, then holds the session until the caller cancels."""
+        yield {"address": self.rank0.address(), "name": self.name}
+        await _hold(asyncio.Event())
+
+    def sessions(self) -> int:
+        return self.rank0.engine.num_sessions
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"sessions": float(self.sessions())}
+
+    def check_health(self) -> None:
+        for follower in self.followers:
+            ray.get(follower.pid.remote(), timeout=30)  # a dead rank fails the replica; Serve replaces it
+
+
+class DrafterPool:
+    """One drafter replica: the drafter actor (on the configured cheap resource) behind a thin Serve replica."""
+
+    def __init__(self, engine_config: dict, placement: dict):
+        from cluster.drafter import Drafter
+
+        self.actor = ray.remote(Drafter).options(
+            num_cpus=placement.get("num_cpus", 1), num_gpus=placement.get("num_gpus", 0),
+            accelerator_type=placement.get("accelerator_type"), resources=placement.get("resources") or None,
+            max_restarts=-1, max_task_retries=0, max_concurrency=256,
+        ).remote(engine_config)
+        ray.get(self.actor.ready.remote(), timeout=600)
+
+    async def lease(self, session: str):
+        """Yields the drafter actor's handle, then holds the session until the caller cancels."""
+        yield self.actor
+        await _hold(asyncio.Event())
+
+    def check_health(self) -> None:
+        ray.get(self.actor.ready.remote(), timeout=60)
+
+
+class _Lease:
+    """The router's side of a lease: the first item of a streaming call, then cancel to let go."""
+
+    def __init__(self, handle, session: str):
+        self._response = handle.options(stream=True).lease.remote(session)
+        self.value = next(iter(self._response))
+        self._lock = threading.Lock()
+        self._done = False
+
+    def release(self) -> None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                self._response.cancel()
+
+
+class ServeVerifierPool:
+    """`acquire` for the router: a lease on the replica Serve picks; gRPC channels cached by address."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self._replicas: dict[str, VerifierReplicaHandle] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, session: str) -> VerifierLease:
+        lease = _Lease(self.handle, session)
+        address, name = lease.value["address"], lease.value["name"]
+        with self._lock:
+            replica = self._replicas.get(address)
+            if replica is None or not replica.healthy:
+                replica = self._replicas[address] = VerifierReplicaHandle(name, lambda *_: address)
+        return VerifierLease(replica, release=lease.release)
+
+
+class ServeDrafterPool:
+    """`acquire` for the router: (the drafter actor Serve picked for the session, release callback)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def acquire(self, session: str):
+        lease = _Lease(self.handle, session)
+        return lease.value, lease.release

@@ -1,0 +1,164 @@
+"""The router deployment: drives sessions (cluster.router.Router) over the drafter and verifier pools.
+
+Each request runs the router's loop in a worker thread; committed tokens come back through a queue
+as they are verified and leave as text deltas. When the caller goes away (client disconnect), the
+generator is cancelled, the session stops after its current round and its KV is released on the
+verifier and the drafter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+from cluster import models
+from cluster.errors import InvalidRequestError, TandemError
+from cluster.router import Router
+from cluster.sampling import SamplingParams
+from deployments.config import TandemAppConfig
+from deployments.metrics import TandemMetrics
+from deployments.pools import ServeDrafterPool, ServeVerifierPool
+
+log = logging.getLogger(__name__)
+
+
+class IncrementalText:
+    """Text deltas of a growing output that never take back what they sent: an incomplete UTF-8
+    character and anything that may still turn into a stop string are held back until settled."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.stop = stop
+        self.sent = ""
+
+    def _text(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def update(self, token_ids: list[int]) -> str:
+        text = self._text(token_ids)
+        end = len(text) - self.holdback
+        while end > len(self.sent) and text[end - 1] == "\ufffd":
+            end -= 1
+        return self._emit(text[:end])
+
+    def finish(self, final_text: str) -> str:
+        return self._emit(final_text)
+
+    def _emit(self, text: str) -> str:
+        if not text.startswith(self.sent):  # not seen with byte-level BPE; never take text back
+            log.warning("detokenization changed already-streamed text; sending only what follows it")
+        delta = text[len(self.sent):]
+        if delta:
+            self.sent = text
+        return delta
+
+
+class RouterDeployment:
+    def __init__(self, config: dict, drafter_handle, verifier_handle):
+        from transformers import AutoConfig
+
+        self.config = TandemAppConfig.build(config)
+        engine = self.config.engine
+        path = models.resolve_model_path(engine.target, engine.cache_dir)
+        self.tokenizer = models.load_tokenizer(path)
+        model_config = AutoConfig.from_pretrained(path)
+        eos = model_config.eos_token_id
+        drafter = ServeDrafterPool(drafter_handle) if drafter_handle is not None else None
+        self.router = Router(ServeVerifierPool(verifier_handle), drafter, self.tokenizer,
+                             [eos] if isinstance(eos, int) else list(eos or []),
+                             engine.num_speculative_tokens, self.config.pipeline_depth,
+                             max_context=model_config.max_position_embeddings,
+                             balance_pipeline=self.config.balance_pipeline, policy=self.config.speculation)
+        self.max_context = model_config.max_position_embeddings
+        slots = self.config.router.max_ongoing_requests
+        self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="session")
+        self.metrics = TandemMetrics(self.config.model_id)
+        self._waiting = 0
+        self._active = 0
+        self._last_counts = self._router_counts()
+
+    def _router_counts(self) -> dict[str, int]:
+        m = self.router.metrics
+        return {"pipeline_stalls": m.pipeline_stalls, "replays": m.replays, "drafter_fallbacks": m.drafter_fallbacks}
+
+    def _record_router_metrics(self) -> None:
+        counts = self._router_counts()
+        self.metrics.record_router({k: counts[k] - self._last_counts[k] for k in counts})
+        self._last_counts = counts
+        self.metrics.queue_depth.set(self._waiting)
+        self.metrics.active_sessions.set(self._active)
+
+    async def generate(self, prompt_ids: list[int], params: dict, max_speculative_tokens: int | None = None):
+        """Yields {"token_ids", "text"} chunks, then {"finish_reason", "stats", ...}; a refused or
+        failed request yields one {"error": {"message", "type"}} instead of raising."""
+        try:
+            sampling = SamplingParams.build(**params)
+            self.router.validate(prompt_ids, sampling)
+        except InvalidRequestError as e:
+            self.metrics.errors.inc(1, {"kind": "invalid_request"})
+            yield {"error": {"message": str(e), "type": "invalid_request_error"}}
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+        t_start = time.perf_counter()
+        first_token_s: list[float] = []
+
+        def on_tokens(tokens: list[int]) -> None:
+            if not first_token_s:
+                first_token_s.append(time.perf_counter() - t_start)
+            loop.call_soon_threadsafe(queue.put_nowait, ("tokens", tokens))
+
+        def run() -> None:
+            self._waiting -= 1
+            self._active += 1
+            try:
+                result = self.router.generate(prompt_ids, sampling, on_tokens=on_tokens, cancelled=cancelled,
+                                              max_speculative_tokens=max_speculative_tokens)
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
+            except Exception as e:  # reported to the caller as data; logged here
+                log.exception("request failed")
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+            finally:
+                self._active -= 1
+
+        self._waiting += 1
+        self.executor.submit(run)
+        text = IncrementalText(self.tokenizer, sampling.stop)
+        output: list[int] = []
+        try:
+            while True:
+                kind, item = await queue.get()
+                if kind == "tokens":
+                    output.extend(item)
+                    yield {"token_ids": item, "text": text.update(output)}
+                elif kind == "done":
+                    stats = item.stats
+                    decode_s = stats.total_s - (first_token_s[0] if first_token_s else stats.total_s)
+                    inter_token = decode_s / (len(output) - 1) if len(output) > 1 else None
+                    self.metrics.record_request(stats, item.finish_reason, first_token_s[0] if first_token_s else None,
+                                                inter_token)
+                    self._record_router_metrics()
+                    yield {"token_ids": [], "text": text.finish(item.text), "finish_reason": item.finish_reason,
+                           "stats": {**asdict(stats), "acceptance_rate": stats.acceptance_rate,
+                                     "mean_accepted_length": stats.mean_accepted_length},
+                           "prompt_tokens": len(prompt_ids), "completion_tokens": len(item.token_ids)}
+                    return
+                else:
+                    kind = "invalid_request_error" if isinstance(item, InvalidRequestError) else "server_error"
+                    self.metrics.errors.inc(1, {"kind": kind})
+                    message = str(item) if isinstance(item, TandemError) else f"generation failed: {item!r}"
+                    yield {"error": {"message": message, "type": kind}}
+                    return
+        finally:
+            cancelled.set()  # a no-op when finished; stops the session when the caller went away
+
+    def check_health(self) -> None:
+        self._record_router_metrics()

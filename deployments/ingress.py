@@ -48,6 +48,7 @@ class _Common(BaseModel):
     stream_options: dict[Literal["include_usage"], bool] | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
     num_speculative_tokens: int | None = Field(None, ge=0, le=32, description="Extension: cap on γ for this request; 0 = plain decoding.")
+    return_token_ids: bool = Field(False, description="Extension: include the generated token ids in each choice.")
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported (must be 0).")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported (must be 0).")
@@ -217,7 +218,7 @@ class Ingress:
             return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         raw = await request.body()
         try:
-            data = json.loads(raw)
+            data = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
             return error_response(400, "the request body is not valid UTF-8")
         except json.JSONDecodeError as e:
@@ -248,17 +249,21 @@ class Ingress:
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(chunks, kind, request_id, body.model, include_usage),
+            return StreamingResponse(self._sse(chunks, kind, request_id, body.model, include_usage,
+                                               body.return_token_ids),
                                      media_type="text/event-stream")
-        text, final = "", None
+        text, token_ids, final = "", [], None
         async for chunk in chunks:
             if "error" in chunk:
                 return error_response(400 if chunk["error"]["type"] == "invalid_request_error" else 500,
                                       chunk["error"]["message"], type_=chunk["error"]["type"])
             text += chunk["text"]
+            token_ids += chunk["token_ids"]
             if "finish_reason" in chunk:
                 final = chunk
         choice = {"index": 0, "finish_reason": final["finish_reason"], "logprobs": None}
+        if body.return_token_ids:
+            choice["token_ids"] = token_ids
         if kind == "completion":
             choice["text"] = text
         else:
@@ -267,7 +272,8 @@ class Ingress:
                 "created": int(time.time()), "model": body.model, "choices": [choice],
                 "usage": _usage(final), "speculation": _speculation(final["stats"])}
 
-    async def _sse(self, chunks, kind: str, request_id: str, model: str, include_usage: bool):
+    async def _sse(self, chunks, kind: str, request_id: str, model: str, include_usage: bool,
+                   return_token_ids: bool):
         created = int(time.time())
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
 
@@ -275,13 +281,17 @@ class Ingress:
             return "data: " + json.dumps({"id": request_id, "object": obj, "created": created, "model": model,
                                           "choices": choices, **extra}) + "\n\n"
 
-        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+        def choice(text: str | None, finish: str | None, first: bool = False, token_ids=()) -> dict:
             if kind == "completion":
-                return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            delta = {} if text is None else {"content": text}
-            if first:
-                delta["role"] = "assistant"
-            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                out = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            else:
+                delta = {} if text is None else {"content": text}
+                if first:
+                    delta["role"] = "assistant"
+                out = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            if return_token_ids:
+                out["token_ids"] = list(token_ids)
+            return out
 
         if kind == "chat":
             yield event([choice("", None, first=True)])
@@ -289,8 +299,8 @@ class Ingress:
             if "error" in chunk:
                 yield "data: " + json.dumps({"error": {**chunk["error"], "param": None, "code": None}}) + "\n\n"
                 break
-            if chunk["text"]:
-                yield event([choice(chunk["text"], None)])
+            if chunk["text"] or (return_token_ids and chunk["token_ids"]):
+                yield event([choice(chunk["text"], None, token_ids=chunk["token_ids"])])
             if "finish_reason" in chunk:
                 extra = {"speculation": _speculation(chunk["stats"])}
                 yield event([choice(None if kind == "chat" else "", chunk["finish_reason"])], **extra)
@@ -318,14 +328,14 @@ class Ingress:
         except InvalidRequestError as e:
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             grpc_context.set_details(str(e))
-            return
+            raise  # Serve's proxy answers with the code set above
         gamma = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         async for chunk in self._run(prompt_ids, params, gamma):
             if "error" in chunk:
                 grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT if chunk["error"]["type"] == "invalid_request_error"
                                       else grpc.StatusCode.INTERNAL)
                 grpc_context.set_details(chunk["error"]["message"])
-                return
+                raise InvalidRequestError(chunk["error"]["message"])
             response = pb.GenerateResponse(text=chunk["text"], token_ids=chunk["token_ids"],
                                            prompt_tokens=len(prompt_ids))
             if "finish_reason" in chunk:

@@ -1,0 +1,296 @@
+"""The Serve application on a real local Ray (127.0.0.1): the real `openai` client over HTTP, a gRPC
+client through Serve's gRPC proxy, concurrency, bad requests, disconnects, config validation."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import openai
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cluster.engine import encode_prompt
+from cluster.errors import ConfigError
+from cluster.runtime import free_port, init_local_ray
+from deployments.serving import DEFAULT_CONFIG, load_config, start
+from protos import pb, rpc
+from tests.helpers import greedy_references
+
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "test-key"
+MAX_TOKENS = 24
+PROMPTS = [
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
+    ("Once upon a time, in a small village by the sea,", False),
+    ("What is the capital of France?", True),
+    ("Write a short poem about the moon.", True),
+]
+METADATA = (("application", "tandem"),)
+
+
+@pytest.fixture(scope="module")
+def server():
+    init_local_ray(num_cpus=16)
+    config = load_config(DEFAULT_CONFIG, overrides={
+        "engine": {"dtype": "float32", "proposer": "draft", "num_speculative_tokens": 3, "threads": 1},
+        "api_keys": [API_KEY],
+    })
+    endpoints = start(config, http_port=free_port(), grpc_port=free_port())
+    yield endpoints
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return [encode_prompt(tokenizer, text, chat) for text, chat in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def references(target_fp32, prompt_ids):
+    return greedy_references(target_fp32, prompt_ids, MAX_TOKENS)
+
+
+def _ref(references, prompt_ids, i):
+    return references[tuple(prompt_ids[i])]
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.http + "/health").json() == {"status": "ok"}
+
+
+def test_completions_greedy_equal_transformers(client, tokenizer, prompt_ids, references):
+    for i, (text, chat) in enumerate(PROMPTS):
+        if chat:
+            continue
+        ref = _ref(references, prompt_ids, i)
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        choice = r.choices[0]
+        assert choice.model_extra["token_ids"] == ref
+        assert choice.text == tokenizer.decode(ref, skip_special_tokens=True)
+        assert r.usage.prompt_tokens == len(prompt_ids[i]) and r.usage.completion_tokens == len(ref)
+        assert r.usage.total_tokens == len(prompt_ids[i]) + len(ref)
+        spec = r.model_extra["speculation"]
+        assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+        assert spec["mean_accepted_length"] >= 1.0
+
+
+def test_chat_streaming_equal_transformers(client, tokenizer, prompt_ids, references):
+    for i, (text, chat) in enumerate(PROMPTS):
+        if not chat:
+            continue
+        ref = _ref(references, prompt_ids, i)
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                                max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"return_token_ids": True})
+        pieces, ids, finish, usage = [], [], None, None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                pieces.append(choice.delta.content or "")
+                ids += choice.model_extra.get("token_ids") or []
+                finish = choice.finish_reason or finish
+        assert ids == ref
+        assert "".join(pieces) == tokenizer.decode(ref, skip_special_tokens=True)
+        assert finish == ("stop" if ref[-1] == tokenizer.eos_token_id else "length")
+        assert usage.prompt_tokens == len(prompt_ids[i]) and usage.completion_tokens == len(ref)
+
+
+def test_chat_non_streaming_and_completion_streaming(client, tokenizer, prompt_ids, references):
+    ref = _ref(references, prompt_ids, 3)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[3][0]}],
+                                       max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.content == tokenizer.decode(ref, skip_special_tokens=True)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == len(ref)
+    ref = _ref(references, prompt_ids, 0)
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0, stream=True) if c.choices)
+    assert text == tokenizer.decode(ref, skip_special_tokens=True)
+
+
+def test_stop_strings(client, tokenizer, prompt_ids, references):
+    ref_text = tokenizer.decode(_ref(references, prompt_ids, 0), skip_special_tokens=True)
+    stop = "recursive"
+    assert stop in ref_text
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
+                                      stop=[stop], stream=stream)
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            text, finish = r.choices[0].text, [r.choices[0].finish_reason]
+        assert text == ref_text[: ref_text.index(stop)]
+        assert finish == ["stop"]
+
+
+def test_plain_decoding_per_request_equal(client, prompt_ids, references):
+    ref = _ref(references, prompt_ids, 1)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1][0], max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={"num_speculative_tokens": 0, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == ref
+    assert r.model_extra["speculation"]["drafted"] == 0
+
+
+def test_sixteen_concurrent_streams(client, tokenizer, prompt_ids, references):
+    def one(i: int) -> tuple[int, str]:
+        j = i % len(PROMPTS)
+        text, chat = PROMPTS[j]
+        kwargs = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        if chat:
+            stream = client.chat.completions.create(messages=[{"role": "user", "content": text}], **kwargs)
+            return j, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        stream = client.completions.create(prompt=text, **kwargs)
+        return j, "".join(c.choices[0].text for c in stream if c.choices)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    for j, text in results:
+        assert text == tokenizer.decode(_ref(references, prompt_ids, j), skip_special_tokens=True)
+
+
+BAD_REQUESTS = [
+    (b"{not json", 400, "not valid JSON"),
+    (b"\xff\xfe{\"model\": 1}", 400, "UTF-8"),
+    (b"[1, 2]", 400, "JSON object"),
+    (json.dumps({"prompt": "hi"}).encode(), 400, "model"),
+    (json.dumps({"model": MODEL}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 100000}).encode(), 400, "context length"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 3}).encode(), 400, "logprobs"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "bogus": 1}).encode(), 400, "bogus"),
+    (json.dumps({"model": MODEL, "prompt": "hi " * 9000}).encode(), 400, "context length"),
+    (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "empty"),
+    (json.dumps({"model": MODEL, "prompt": [10**9]}).encode(), 400, "token ids"),
+    (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "does not exist"),
+]
+
+
+@pytest.mark.parametrize("body,status,needle", BAD_REQUESTS, ids=[f"bad{i}" for i in range(len(BAD_REQUESTS))])
+def test_bad_http_requests_get_4xx(server, body, status, needle):
+    r = httpx.post(server.http + "/v1/completions", content=body, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_bad_chat_requests_and_auth(server, client):
+    url = server.http + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(url, json={"model": MODEL, "messages": []}, headers=auth)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, headers=auth)
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-0.5)
+    # and the server still serves
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_grpc_generate_health_reflection(server, tokenizer, prompt_ids, references):
+    channel = grpc.insecure_channel(server.grpc)
+    stub = rpc.GenerationStub(channel)
+    for i in (0, 3):
+        text, chat = PROMPTS[i]
+        request = pb.GenerateRequest(model=MODEL, params=pb.SamplingParams(max_tokens=MAX_TOKENS))
+        if chat:
+            request.messages.messages.add(role="user", content=text)
+        else:
+            request.prompt = text
+        responses = list(stub.Generate(request, metadata=METADATA, timeout=300))
+        ref = _ref(references, prompt_ids, i)
+        assert [t for r in responses for t in r.token_ids] == ref
+        assert "".join(r.text for r in responses) == tokenizer.decode(ref, skip_special_tokens=True)
+        assert responses[-1].finish_reason in ("stop", "length") and responses[-1].completion_tokens == len(ref)
+        assert responses[-1].stats.drafted > 0
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), metadata=METADATA, timeout=30)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                  timeout=30))
+    services = {s.name for s in answer.list_services_response.service}
+    assert "tandem.v1.Generation" in services and "grpc.health.v1.Health" in services
+
+
+def test_grpc_bad_requests_invalid_argument(server):
+    stub = rpc.GenerationStub(grpc.insecure_channel(server.grpc))
+    bad = [pb.GenerateRequest(model=MODEL, prompt=""),
+           pb.GenerateRequest(model=MODEL, prompt="hi", params=pb.SamplingParams(temperature=-1)),
+           pb.GenerateRequest(model=MODEL, prompt="hi", params=pb.SamplingParams(max_tokens=100000)),
+           pb.GenerateRequest(model="other", prompt="hi")]
+    for request in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, metadata=METADATA, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    ok = list(stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", params=pb.SamplingParams(max_tokens=2)),
+                            metadata=METADATA, timeout=60))
+    assert sum(len(r.token_ids) for r in ok) == 2
+
+
+def _verifier_sessions() -> int:
+    from ray import serve
+
+    return serve.get_deployment_handle("VerifierPool", "tandem").sessions.remote().result()
+
+
+def test_client_disconnect_frees_the_session(server):
+    body = {"model": MODEL, "prompt": "Count from one to a thousand: one, two,", "max_tokens": 2000,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        assert _verifier_sessions() == 1
+    deadline = time.time() + 60
+    while _verifier_sessions() and time.time() < deadline:
+        time.sleep(0.5)
+    assert _verifier_sessions() == 0
+
+
+def test_invalid_config_names_the_field(tmp_path):
+    text = DEFAULT_CONFIG.read_text()
+    cases = [("pipeline_depth: 2", "pipeline_depth: 0", "pipeline_depth"),
+             ("num_speculative_tokens: 3", "num_speculative_tokens: many", "engine.num_speculative_tokens"),
+             ("dtype: bfloat16", "dtype: int4", "engine.dtype"),
+             ("target_ongoing_requests: 8}", "target_ongoing_requests: 8, max_replica: 2}", "max_replica"),
+             ("default_max_tokens: 256", "default_max_tokens: 256\n      colour: blue", "colour")]
+    for old, new, field in cases:
+        assert old in text
+        path = tmp_path / "bad.yaml"
+        path.write_text(text.replace(old, new, 1))
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(path)
+    path.write_text("applications: [{name: x, import_path: 5}]")
+    with pytest.raises(ConfigError, match="import_path"):
+        load_config(path)
+    load_config(DEFAULT_CONFIG)  # the shipped one is valid

@@ -51,7 +51,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--distributed", action="store_true",
                        help="target-only vs sequential vs pipelined through Ray + gRPC (workload humaneval unless set)")
     bench.add_argument("--proposer", default="draft", help="with --distributed: draft | ngram")
-    bench.add_argument("--concurrency", default="1,4,16", help="with --distributed: session counts for throughput")
+    bench.add_argument("--concurrency", default="1,4,16",
+                       help="with --distributed or --endpoint: concurrent sessions / streams")
+    bench.add_argument("--endpoint", metavar="URL",
+                       help="drive a running server (e.g. http://127.0.0.1:8000): speculative vs plain, side by side")
+    bench.add_argument("--api-key", help="with --endpoint: Bearer key")
+
+    srv = sub.add_parser("serve", help="serve the Ray Serve application on a local Ray (127.0.0.1) until Ctrl-C")
+    srv.add_argument("--config", help="Serve config (default: the repository's ray_config.yaml)")
+    srv.add_argument("--http-port", type=int, help="override http_options.port")
+    srv.add_argument("--grpc-port", type=int, help="override grpc_options.port")
     return parser
 
 
@@ -101,8 +110,54 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import signal
+    import threading
+
+    from deployments.serving import load_config, start
+
+    config = load_config(args.config)  # fails fast, naming the field, before Ray starts
+    endpoints = start(config, args.http_port, args.grpc_port)
+    model = next(iter(config.app_configs.values())).model_id
+    print(f"tandem is serving {model}\n"
+          f"  OpenAI HTTP API: {endpoints.http}/v1   (GET /v1/models, POST /v1/completions, /v1/chat/completions)\n"
+          f"  gRPC:            {endpoints.grpc}   (tandem.v1.Generation/Generate; metadata application="
+          f"{endpoints.app_names[0]}; reflection and grpc.health.v1 on)\n"
+          f"  try: curl {endpoints.http}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{model}\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32, \"temperature\": 0}}'\n"
+          f"Ctrl-C stops it.", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        import ray
+        from ray import serve
+
+        print("stopping...", file=sys.stderr, flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
 def _bench(args) -> int:
     from cluster.bench import format_report, run_bench, write_json
+
+    if args.endpoint:
+        from cluster.workloads import workload
+        from deployments.loadgen import format_endpoint_report, run_endpoint_bench
+
+        prompts, chat = workload("humaneval" if args.workload == "all" else args.workload, args.prompts)
+        report = run_endpoint_bench(args.endpoint, prompts, args.max_tokens,
+                                    tuple(int(n) for n in args.concurrency.split(",")), api_key=args.api_key,
+                                    chat=chat)
+        print(format_endpoint_report(report))
+        if args.json:
+            write_json(report, args.json)
+        return 0
 
     if args.distributed:
         from cluster.bench_distributed import format_distributed, run_distributed_bench
@@ -143,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         return _bench(args)
     except TandemError as e:
         print(f"tandem: error: {e}", file=sys.stderr)

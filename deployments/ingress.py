@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import models
-from cluster.errors import InvalidRequestError, validation_message
+from cluster.errors import InvalidRequestError
 from cluster.sampling import SamplingParams
 from cluster.speculate import validate_request
 from deployments.config import TandemAppConfig

@@ -4,8 +4,6 @@ client through Serve's gRPC proxy, concurrency, bad requests, disconnects, confi
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

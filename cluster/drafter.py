@@ -127,7 +127,9 @@ class Drafter:
                                "start": start, "end": end, "batch_size": len(proposes)})
 
     def stats(self) -> dict:
-        return {"draft_s": self.draft_s, "idle_s": self.idle_s, "batches": self.batches}
+        with self._cond:
+            backlog = sum(1 for op, _, _ in self._queue if op == "propose")
+        return {"draft_s": self.draft_s, "idle_s": self.idle_s, "batches": self.batches, "backlog": backlog}
 
     def pid(self) -> int:
         return os.getpid()

@@ -14,11 +14,11 @@ from deployments.ingress import Ingress
 from deployments.pools import DrafterPool, VerifierPool
 from deployments.router import RouterDeployment
 
-VERIFIER_AUTOSCALING_POLICY = "deployments.autoscaling:verifier_pool_policy"
+SESSION_POOL_POLICY = "deployments.autoscaling:session_pool_policy"
 
 
-def _options(spec: DeploymentSpec, name: str) -> dict:
-    return {"name": name, "max_ongoing_requests": spec.max_ongoing_requests, **spec.replica_options()}
+def _options(spec: DeploymentSpec, name: str, policy: str | None = None) -> dict:
+    return {"name": name, "max_ongoing_requests": spec.max_ongoing_requests, **spec.replica_options(policy)}
 
 
 def _check_tensor_parallel(config: TandemAppConfig) -> None:
@@ -40,7 +40,7 @@ def build_app(config: TandemAppConfig | dict | None = None) -> Application:
     rank = config.verifier.placement
     bundles = [rank.bundle() for _ in range(config.tensor_parallel_size)]
     verifier = serve.deployment(VerifierPool).options(
-        **_options(config.verifier, "VerifierPool"),
+        **_options(config.verifier, "VerifierPool", SESSION_POOL_POLICY),
         ray_actor_options={"num_cpus": rank.num_cpus, "num_gpus": rank.num_gpus,
                            **({"resources": rank.resources} if rank.resources else {}),
                            **({"accelerator_type": rank.accelerator_type} if rank.accelerator_type else {})},
@@ -52,7 +52,7 @@ def build_app(config: TandemAppConfig | dict | None = None) -> Application:
     drafter = None
     if config.speculative:
         drafter = serve.deployment(DrafterPool).options(
-            **_options(config.drafter, "DrafterPool"), ray_actor_options={"num_cpus": 0},
+            **_options(config.drafter, "DrafterPool", SESSION_POOL_POLICY), ray_actor_options={"num_cpus": 0},
             health_check_period_s=10,
         ).bind(engine, config.drafter.placement.model_dump(mode="json"))
 

@@ -50,9 +50,9 @@ class DeploymentSpec(BaseModel):
     placement: PlacementConfig = Field(default_factory=lambda: PlacementConfig(num_cpus=0.0),
                                        description="Resources per replica (per rank for the verifier pool; of the drafter actor for the drafter).")
 
-    def replica_options(self) -> dict[str, Any]:
+    def replica_options(self, policy: str | None = None) -> dict[str, Any]:
         if self.autoscaling is not None:
-            return {"autoscaling_config": self.autoscaling.serve_config()}
+            return {"autoscaling_config": self.autoscaling.serve_config(policy)}
         return {"num_replicas": self.num_replicas}
 
 

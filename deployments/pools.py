@@ -87,6 +87,9 @@ class DrafterPool:
         yield self.actor
         await _hold(asyncio.Event())
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"drafting_backlog": float(ray.get(self.actor.stats.remote(), timeout=10)["backlog"])}
+
     def check_health(self) -> None:
         ray.get(self.actor.ready.remote(), timeout=60)
 

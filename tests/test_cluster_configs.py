@@ -1,0 +1,94 @@
+"""The multi-node configs (KubeRay RayService, cluster launcher) agree with ray_config.yaml and with
+their own worker groups: same application, only placements and scaling differ, and every placement
+the Serve config asks for exists on some node type, with room for the autoscaling bounds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from deployments.serving import DEFAULT_CONFIG, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+RAYSERVICE = ROOT / "cluster" / "kuberay" / "rayservice.yaml"
+LAUNCHER = ROOT / "cluster" / "launcher" / "tandem-cluster.yaml"
+LAUNCHER_SERVE = ROOT / "cluster" / "launcher" / "serve.yaml"
+CLUSTER_ONLY = {"placement", "autoscaling", "num_replicas", "tensor_parallel_size"}  # what a cluster changes
+
+
+def _strip(value):
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k not in CLUSTER_ONLY}
+    return value
+
+
+def _kuberay_serve(tmp_path):
+    serve = yaml.safe_load(yaml.safe_load(RAYSERVICE.read_text())["spec"]["serveConfigV2"])
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(serve))
+    return serve, load_config(path)
+
+
+def test_same_application_as_ray_config(tmp_path):
+    local_raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cluster_raw, cluster = _kuberay_serve(tmp_path)
+    assert cluster_raw == yaml.safe_load(LAUNCHER_SERVE.read_text()), "launcher serve.yaml drifted from KubeRay's"
+    assert cluster_raw["grpc_options"]["grpc_servicer_functions"] == local_raw["grpc_options"]["grpc_servicer_functions"]
+    (local_app,), (cluster_app,) = local_raw["applications"], cluster_raw["applications"]
+    for key in ("name", "route_prefix", "import_path"):
+        assert local_app[key] == cluster_app[key]
+    assert _strip(local_app["args"]) == _strip(cluster_app["args"])
+    local = load_config(DEFAULT_CONFIG).app_configs["tandem"]
+    remote = cluster.app_configs["tandem"]
+    # the same models and speculation; the cluster scales out
+    assert local.engine == remote.engine and local.speculation == remote.speculation
+    assert remote.verifier.autoscaling.max_replicas > 1 and remote.drafter.autoscaling.max_replicas > 1
+
+
+def _group_resources(group: dict) -> dict[str, float]:
+    params = group["rayStartParams"].get("resources", '"{}"')
+    resources = json.loads(json.loads(params))
+    gpus = group["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", "0")
+    return {**resources, "GPU": float(gpus)}
+
+
+def _fits(placement, node: dict[str, float], count: int = 1) -> int:
+    """How many groups of `count` actors with `placement` fit on one node."""
+    need = {"GPU": placement.num_gpus, **placement.resources}
+    if placement.accelerator_type:
+        need[f"accelerator_type:{placement.accelerator_type}"] = 0.001
+    fits = [node.get(key, 0) // (amount * count) for key, amount in need.items() if amount > 0]
+    return int(min(fits)) if fits else 0
+
+
+def test_kuberay_worker_groups_fit_the_placements(tmp_path):
+    spec = yaml.safe_load(RAYSERVICE.read_text())["spec"]
+    _, cluster = _kuberay_serve(tmp_path)
+    app = cluster.app_configs["tandem"]
+    groups = {g["groupName"]: g for g in spec["rayClusterConfig"]["workerGroupSpecs"]}
+    draft, target = _group_resources(groups["draft-nodes"]), _group_resources(groups["target-nodes"])
+    tp = app.tensor_parallel_size
+    per_target_node = _fits(app.verifier.placement, target, tp)
+    assert per_target_node >= 1, "a verifier replica (tensor_parallel_size ranks, STRICT_PACK) must fit one target node"
+    assert _fits(app.verifier.placement, draft, tp) == 0, "verifier replicas must not land on draft nodes"
+    per_draft_node = _fits(app.drafter.placement, draft)
+    assert per_draft_node >= 1 and _fits(app.drafter.placement, target) == 0
+    assert groups["target-nodes"]["maxReplicas"] * per_target_node >= app.verifier.autoscaling.max_replicas
+    assert groups["draft-nodes"]["maxReplicas"] * per_draft_node >= app.drafter.autoscaling.max_replicas
+    assert spec["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+
+
+def test_launcher_node_types_fit_the_placements(tmp_path):
+    launcher = yaml.safe_load(LAUNCHER.read_text())
+    _, cluster = _kuberay_serve(tmp_path)
+    app = cluster.app_configs["tandem"]
+    types = launcher["available_node_types"]
+    target, draft = types["target_node"], types["draft_node"]
+    per_target_node = _fits(app.verifier.placement, target["resources"], app.tensor_parallel_size)
+    per_draft_node = _fits(app.drafter.placement, draft["resources"])
+    assert per_target_node >= 1 and per_draft_node >= 1
+    assert target["max_workers"] * per_target_node >= app.verifier.autoscaling.max_replicas
+    assert draft["max_workers"] * per_draft_node >= app.drafter.autoscaling.max_replicas
+    assert launcher["max_workers"] >= target["max_workers"] + draft["max_workers"]

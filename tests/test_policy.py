@@ -1,0 +1,69 @@
+"""The draft-length policy (γ per session from the cost model) and the pools' autoscaling policy."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from deployments.autoscaling import session_pool_policy
+from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig, expected_tokens, predicted_speedup
+
+
+def test_cost_model_formulas():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0)
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert predicted_speedup(0.8, 3, 0.1) == pytest.approx(expected_tokens(0.8, 3) / 1.3)
+    assert predicted_speedup(0.8, 3, 0.5, pipelined=True) == pytest.approx(expected_tokens(0.8, 3) / 1.5)
+    assert predicted_speedup(0.8, 0, 0.1) == 1.0
+
+
+def test_gamma_grows_with_an_always_right_drafter_and_falls_to_zero_with_an_always_wrong_one():
+    policy = SpeculationPolicy(SpeculationPolicyConfig(prior_acceptance=0.5, probe_every=1000), max_gamma=8)
+    right, wrong = policy.session(), policy.session()
+    start = right.gamma(remaining=100, cost_ratio=0.1)
+    for _ in range(20):
+        g = right.gamma(remaining=100, cost_ratio=0.1)
+        right.learn(g, g)
+    assert right.gamma(remaining=100, cost_ratio=0.1) == 8 > start
+    for _ in range(20):
+        g = wrong.gamma(remaining=100, cost_ratio=0.1)
+        wrong.learn(g, 0)
+    assert wrong.alpha < 0.2 and wrong.gamma(remaining=100, cost_ratio=0.1) == 0
+
+
+def test_plain_decoding_when_speculation_cannot_pay():
+    config = SpeculationPolicyConfig(saturation_sessions=8, min_remaining_tokens=3, probe_every=4)
+    session = SpeculationPolicy(config, max_gamma=4).session()
+    assert session.gamma(remaining=100, cost_ratio=0.1) > 0
+    assert session.gamma(remaining=100, cost_ratio=0.1, verifier_sessions=8) == 0  # saturated verifiers
+    assert session.gamma(remaining=2, cost_ratio=0.1) == 0  # too short to gain
+    assert session.gamma(remaining=100, cost_ratio=2.0) == 0  # a draft slower than the target
+    # a session at γ = 0 probes with one draft every `probe_every` rounds, so α can recover
+    slow = [session.gamma(remaining=100, cost_ratio=2.0) for _ in range(8)]
+    assert slow.count(1) == 2 and set(slow) == {0, 1}
+    assert SpeculationPolicy(SpeculationPolicyConfig(adaptive=False), 4).session().gamma(100, cost_ratio=9) == 4
+
+
+def test_pipelined_policy_prefers_longer_drafts_when_drafting_is_cheap_relative_to_verify():
+    sequential = SpeculationPolicy(SpeculationPolicyConfig(), max_gamma=8, pipelined=False)
+    pipelined = SpeculationPolicy(SpeculationPolicyConfig(), max_gamma=8, pipelined=True)
+    g_seq, s_seq = sequential.best_gamma(0.8, 0.2)
+    g_pipe, s_pipe = pipelined.best_gamma(0.8, 0.2)
+    assert g_pipe >= g_seq and s_pipe > s_seq
+
+
+def _ctx(current=2, total=10.0, queued=0.0, target=8.0, metrics=None):
+    return SimpleNamespace(current_num_replicas=current, target_num_replicas=current, total_num_requests=total,
+                           total_queued_requests=queued, aggregated_metrics=metrics or {},
+                           config=SimpleNamespace(get_target_ongoing_requests=lambda: target))
+
+
+def test_session_pool_autoscaling_policy():
+    assert session_pool_policy(_ctx(total=32.0))[0] == pytest.approx(4.0)  # sessions / target per replica
+    assert session_pool_policy(_ctx(total=4.0))[0] == pytest.approx(0.5)  # Serve clamps to min_replicas
+    assert session_pool_policy(_ctx(total=10.0, queued=2.0))[0] == 3  # queued sessions: one more now
+    backlog = {"drafting_backlog": {"r1": 20.0, "r2": 12.0}}
+    assert session_pool_policy(_ctx(total=4.0, metrics=backlog))[0] == 3
+    assert session_pool_policy(_ctx(total=4.0, metrics={"drafting_backlog": {"r1": 1.0}}))[0] == pytest.approx(0.5)

@@ -1,5 +1,5 @@
 # The two set-up-and-run commands of the README. Both work from a fresh clone.
-#   make run    the main job (today: the embedded default, single process, on CPU)
+#   make run    the main job: serve the embedded default (Ray Serve on 127.0.0.1; OpenAI HTTP + gRPC)
 #   make test   the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,8 +10,9 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export VLLM_HOST_IP = 127.0.0.1
 
 PROMPT ?= Write a Python function that checks whether a number is prime.
+CONFIG ?= ray_config.yaml
 
-.PHONY: setup models run test bench clean
+.PHONY: setup models run generate test bench clean
 
 $(BIN)/tandem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,9 @@ models: setup
 	$(BIN)/tandem models prepare
 
 run: models
+	$(BIN)/tandem serve --config $(CONFIG)
+
+generate: models
 	$(BIN)/tandem generate --chat "$(PROMPT)" --max-tokens 128
 
 test: models

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -201,6 +202,7 @@ class Router:
         self._verify_s = 0.0
         self.metrics = RouterMetrics()
         self._ids = itertools.count()
+        self._setup = ThreadPoolExecutor(max_workers=64, thread_name_prefix="session-setup")
 
     @property
     def replicas(self) -> list[VerifierReplicaHandle]:
@@ -295,10 +297,16 @@ class Router:
         committed = list(prompt_ids)
         output: list[int] = []
         stream = None
-        try:
+
+        def start_drafter() -> None:  # the draft prefill overlaps the target's
             self._acquire_drafter(session, state)
             self._drafter_call(state, "start", session, prompt_ids, params.model_dump(), wait=True)
+
+        drafter_started = self._setup.submit(start_drafter) if state["drafting"] else None
+        try:
             stream = self._open(session, committed, params, attempts=1 + self.max_replays)
+            if drafter_started is not None:
+                drafter_started.result()
             stats.prefill_s = time.perf_counter() - t_start
             replays = 0
             while True:
@@ -322,6 +330,11 @@ class Router:
                     stream = None
                     stream = self._open(f"{session}r{replays}", committed, params, attempts=1 + self.max_replays)
         finally:
+            if drafter_started is not None:
+                try:
+                    drafter_started.result()  # finished before the drafter session is released
+                except Exception:
+                    pass  # raised (and reported) above
             if stream is not None:
                 stream.close()
                 try:

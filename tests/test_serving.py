@@ -292,3 +292,23 @@ def test_invalid_config_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match="import_path"):
         load_config(path)
     load_config(DEFAULT_CONFIG)  # the shipped one is valid
+
+
+def test_prometheus_metrics_exported(server, client):
+    """Ray's metrics agent exports tandem's metrics (after the requests above) in Prometheus format."""
+    client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=8, temperature=0)
+    node = ray._private.worker.global_worker.node
+    url = f"http://127.0.0.1:{node.metrics_export_port}/metrics"
+    wanted = ["ray_tandem_requests_total", "ray_tandem_generated_tokens_total", "ray_tandem_drafted_tokens_total",
+              "ray_tandem_accepted_tokens_per_position_total", "ray_tandem_time_to_first_token_s_bucket",
+              "ray_tandem_gamma_chosen_total"]
+    deadline, text = time.time() + 90, ""
+    while time.time() < deadline:
+        text = httpx.get(url, timeout=10).text
+        if all(name in text for name in wanted):
+            break
+        time.sleep(2)
+    missing = [name for name in wanted if name not in text]
+    assert not missing, f"not exported: {missing}"
+    generated = [line for line in text.splitlines() if line.startswith("ray_tandem_generated_tokens_total{")]
+    assert generated and float(generated[0].rsplit(" ", 1)[1]) >= MAX_TOKENS

@@ -57,6 +57,38 @@ def _parser() -> argparse.ArgumentParser:
                        help="drive a running server (e.g. http://127.0.0.1:8000): speculative vs plain, side by side")
     bench.add_argument("--api-key", help="with --endpoint: Bearer key")
 
+    drafts_p = sub.add_parser("drafts", help="make and check drafts for a target")
+    drafts_sub = drafts_p.add_subparsers(dest="drafts_command", required=True)
+    dist = drafts_sub.add_parser("distill", help="train a small draft on the target's own distributions")
+    dist.add_argument("--out", required=True, help="draft directory (resumes from its checkpoint when present)")
+    dist.add_argument("--target", default="default")
+    dist.add_argument("--layers", default="0,1,29", help="target layers the draft's layers start from")
+    dist.add_argument("--vocab-size", type=int, default=8192, help="reduced head: most frequent corpus tokens (0: all)")
+    dist.add_argument("--self-speculative", action="store_true",
+                      help="train only an exit head over the target's own first L layers (--layers 0..L-1)")
+    dist.add_argument("--max-tokens", type=int, default=400_000, help="training token budget")
+    dist.add_argument("--max-minutes", type=float, default=0.0, help="time budget (0: none)")
+    dist.add_argument("--chat-samples", type=int, default=64, help="target-generated chat answers in the corpus")
+    dist.add_argument("--seq-len", type=int, default=128)
+    dist.add_argument("--batch-size", type=int, default=8)
+    dist.add_argument("--lr", type=float, default=3e-4)
+    dist.add_argument("--seed", type=int, default=0)
+    dist.add_argument("--threads", type=int, default=2)
+    dist.add_argument("--cache-dir")
+    val = drafts_sub.add_parser("validate", help="acceptance by position, cost ratio, predicted speedups; a gate")
+    val.add_argument("--target", default="default")
+    val.add_argument("--draft", default="int8", help="'int8', a tandem draft directory or an HF model directory")
+    val.add_argument("--workload", default="humaneval", help="humaneval | chat | a text file with one prompt per line")
+    val.add_argument("--prompts", type=int, default=8)
+    val.add_argument("--max-tokens", type=int, default=64)
+    val.add_argument("--max-gamma", type=int, default=8)
+    val.add_argument("--dtype", default="bfloat16")
+    val.add_argument("--threads", type=int, default=1)
+    val.add_argument("--json", metavar="FILE")
+    val.add_argument("--plot", metavar="FILE", help="PNG: acceptance by position, predicted speedup by γ")
+    val.add_argument("--min-acceptance", type=float, help="exit 1 when α is below this")
+    val.add_argument("--cache-dir")
+
     srv = sub.add_parser("serve", help="serve the Ray Serve application on a local Ray (127.0.0.1) until Ctrl-C")
     srv.add_argument("--config", help="Serve config (default: the repository's ray_config.yaml)")
     srv.add_argument("--http-port", type=int, help="override http_options.port")
@@ -107,6 +139,60 @@ def _generate(args) -> int:
         s = result.stats
         print(f"[{s.num_generated_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, acceptance rate "
               f"{s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}]", file=sys.stderr)
+    return 0
+
+
+def _drafts(args) -> int:
+    import torch
+
+    from cluster import models
+
+    target_path = models.resolve_model_path(args.target, args.cache_dir)
+    tokenizer = models.load_tokenizer(target_path)
+    if args.drafts_command == "distill":
+        from cluster.workloads import CHAT_PROMPTS, humaneval_prompts
+        from drafts.distill import DistillConfig, distill
+
+        config = DistillConfig(layers=[int(x) for x in args.layers.split(",")], vocab_size=args.vocab_size,
+                               self_speculative=args.self_speculative, seq_len=args.seq_len,
+                               batch_size=args.batch_size, lr=args.lr, max_tokens=args.max_tokens,
+                               max_minutes=args.max_minutes, chat_samples=args.chat_samples, seed=args.seed,
+                               threads=args.threads)
+        torch.set_num_threads(args.threads)
+        target = models.load_causal_lm(target_path, "bfloat16", "cpu")
+        report = distill(target, tokenizer, args.out, config, held_out=set(humaneval_prompts()) | set(CHAT_PROMPTS))
+        print(json.dumps(report, indent=1))
+        return 0
+
+    from cluster.engine import EngineConfig, encode_prompt, make_proposer
+    from cluster.errors import ConfigError
+    from cluster.workloads import workload
+    from drafts import validate as v
+
+    torch.set_num_threads(args.threads)
+    if args.workload in ("humaneval", "chat"):
+        texts, chat = workload(args.workload, args.prompts)
+    else:
+        try:
+            texts = [line for line in open(args.workload).read().splitlines() if line.strip()][: args.prompts]
+        except OSError as e:
+            raise ConfigError(f"cannot read workload file {args.workload}: {e}") from None
+        chat = False
+    target = models.load_causal_lm(target_path, args.dtype, "cpu")
+    engine = EngineConfig.build(target=str(target_path), draft=args.draft, dtype=args.dtype, cache_dir=args.cache_dir)
+    draft = make_proposer(engine, target, tokenizer).runner.model
+    prompts = [encode_prompt(tokenizer, t, chat) for t in texts]
+    report = v.validate(target, draft, prompts, args.max_tokens, args.max_gamma)
+    report.update(target=str(target_path), draft=args.draft, workload=args.workload, dtype=args.dtype,
+                  threads=args.threads)
+    print(v.format_report(report))
+    if args.json:
+        v.write_json(report, args.json)
+    if args.plot:
+        v.plot(report, args.plot)
+    if args.min_acceptance is not None and report["alpha"] < args.min_acceptance:
+        print(f"tandem: α = {report['alpha']:.3f} is below --min-acceptance {args.min_acceptance}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -200,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "drafts":
+            return _drafts(args)
         return _bench(args)
     except TandemError as e:
         print(f"tandem: error: {e}", file=sys.stderr)

@@ -35,9 +35,13 @@ class Drafter:
             torch.set_num_threads(config.threads)
         path = models.resolve_model_path(config.target, config.cache_dir)
         tokenizer = models.load_tokenizer(path)
+        from drafts.small_draft import is_tandem_draft
+
         target = None
         if config.proposer == "draft" and config.draft == "int8":
             target = models.load_causal_lm(path, "float32", "cpu")  # only to copy and quantise
+        elif config.proposer == "draft" and is_tandem_draft(config.draft):
+            target = models.load_causal_lm(path, config.dtype, config.device)  # lends embeddings (and layers)
         self.proposer = make_proposer(config, target, tokenizer)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.max_support = max_support

@@ -13,6 +13,7 @@ from cluster.errors import ConfigError, validation_message
 from cluster.runner import TorchModelRunner
 from cluster.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer, quantized_copy
+from drafts.small_draft import is_tandem_draft, load_draft
 from drafts.ngram import NGramProposer
 from drafts.proposer import Proposer
 
@@ -28,7 +29,7 @@ class EngineConfig(BaseModel):
 
     target: str = Field("default", description="Target model: 'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory.")
     proposer: Literal["draft", "ngram", "none"] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model) or 'none' (plain target decoding).")
-    draft: str = Field(INT8_DRAFT, description="Draft model for proposer 'draft': 'int8' (int8 dynamic-quantized copy of the target) or a local model directory with the target's tokenizer.")
+    draft: str = Field(INT8_DRAFT, description="Draft model for proposer 'draft': 'int8' (int8 dynamic-quantized copy of the target), a tandem draft directory (`tandem drafts distill`) or a local model directory with the target's tokenizer.")
     num_speculative_tokens: int = Field(3, ge=0, le=32, description="Tokens drafted per round (γ); 0 is plain target decoding.")
     dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Target (and model draft) dtype; the int8 draft computes in float32.")
     device: str | None = Field(None, description="torch device; CUDA when visible, else CPU.")
@@ -51,6 +52,8 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_to
         return NGramProposer(max_ngram=config.max_ngram)
     if config.draft == INT8_DRAFT:
         draft_model = quantized_copy(target_model)
+    elif is_tandem_draft(config.draft):  # a distilled or self-speculative draft made from this target
+        draft_model = load_draft(config.draft, target_model)
     else:
         path = models.resolve_model_path(config.draft, config.cache_dir)
         models.check_same_tokenizer(target_tokenizer, models.load_tokenizer(path), str(path))

@@ -200,6 +200,7 @@ class Router:
                                         self.num_speculative_tokens, pipelined=pipeline_depth > 1)
         self._draft_token_s = 0.0
         self._verify_s = 0.0
+        self._last_load = 0  # sessions on a verifier replica, as last reported
         self.metrics = RouterMetrics()
         self._ids = itertools.count()
         self._setup = ThreadPoolExecutor(max_workers=64, thread_name_prefix="session-setup")
@@ -293,16 +294,22 @@ class Router:
         # drafter state: whether it is alive, and the rollback/feedback ops owed to it, sent with the next propose
         state = {"drafting": self.drafter is not None and max_gamma > 0, "sync": [], "drafter": None,
                  "release_drafter": lambda: None, "max_gamma": max_gamma, "policy": self.policy.session(),
-                 "on_tokens": on_tokens, "cancelled": cancelled}
+                 "on_tokens": on_tokens, "cancelled": cancelled, "drafter_started": False,
+                 "start_drafter": None}
         committed = list(prompt_ids)
         output: list[int] = []
         stream = None
 
-        def start_drafter() -> None:  # the draft prefill overlaps the target's
+        def start_drafter(tokens: list[int]) -> None:
+            state["drafter_started"] = True
             self._acquire_drafter(session, state)
-            self._drafter_call(state, "start", session, prompt_ids, params.model_dump(), wait=True)
+            self._drafter_call(state, "start", session, tokens, params.model_dump(), wait=True)
 
-        drafter_started = self._setup.submit(start_drafter) if state["drafting"] else None
+        state["start_drafter"] = start_drafter
+        drafter_started = None
+        if state["drafting"] and not self._saturated():  # the draft prefill overlaps the target's
+            drafter_started = self._setup.submit(start_drafter, prompt_ids)
+        # else the drafter joins when the policy first asks for drafts (never, while verifiers are saturated)
         try:
             stream = self._open(session, committed, params, attempts=1 + self.max_replays)
             if drafter_started is not None:
@@ -342,11 +349,17 @@ class Router:
                 except grpc.RpcError:
                     pass
                 stream.lease.release()
-            self._drafter_call(state, "release", session)
+            if state["drafter_started"]:
+                self._drafter_call(state, "release", session)
             state["release_drafter"]()
         stats.num_generated_tokens = len(output)
         stats.total_s = time.perf_counter() - t_start
         return GenerationResult(output, StopChecker(self.tokenizer, (), params).text(output), finish, stats)
+
+    def _saturated(self) -> bool:
+        """Whether the verifiers were saturated at the last look (speculation policy's threshold)."""
+        threshold = self.policy.config.saturation_sessions
+        return bool(threshold) and self.policy.config.adaptive and self._last_load >= threshold
 
     def _choose_gamma(self, state: dict, remaining: int, bonus: bool, verifier_sessions: int) -> int:
         limit = min(state["max_gamma"], remaining - (1 if bonus else 0))
@@ -375,6 +388,13 @@ class Router:
                     break
                 bonus = sequential
                 k = self._choose_gamma(state, remaining, bonus, verifier_sessions) if state["drafting"] else 0
+                if k > 0 and not state["drafter_started"]:
+                    if live:
+                        k = 0
+                    else:  # the drafter joins late, from the committed tokens
+                        state["sync"] = []
+                        state["start_drafter"](list(committed))
+                        k = k if state["drafting"] else 0
                 t0 = time.time()
                 drafts, probs = [], []
                 if k > 0 and state["drafting"]:
@@ -411,7 +431,7 @@ class Router:
             if stale or result.stale:
                 self.metrics.add(stale_rounds=1)
                 continue
-            verifier_sessions = result.active_sessions
+            verifier_sessions = self._last_load = result.active_sessions
             timing.verify_start, timing.verify_end = result.verify_start, result.verify_end
             timing.received = received
             self._verify_s = _ema(self._verify_s, result.verify_end - result.verify_start)

@@ -104,6 +104,10 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, max_cont
         raise InvalidRequestError("stop strings need a tokenizer")
 
 
+def _ema(old: float, new: float, weight: float = 0.1) -> float:
+    return new if old == 0.0 else (1 - weight) * old + weight * new
+
+
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # generated ids (EOS included when it ended the sequence)
@@ -119,7 +123,10 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: TorchModelRunner, proposer: Proposer | None, tokenizer=None,
-                 num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] | None = None):
+                 num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] | None = None,
+                 policy=None):
+        """`policy`: a `drafts.policy.SpeculationPolicy` choosing γ per round (≤ num_speculative_tokens)
+        from the session's running α and the measured cost ratio; None drafts γ every round."""
         if num_speculative_tokens < 0:
             raise InvalidRequestError(f"{num_speculative_tokens=} must be >= 0")
         self.target = target
@@ -131,7 +138,9 @@ class SpeculativeDecoder:
             eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos_token_ids = set(eos_token_ids)
+        self.policy = policy
         self._ids = itertools.count()
+        self._draft_token_s = self._verify_s = 0.0
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.target.max_context, self.tokenizer, self.target.vocab_size)
@@ -164,8 +173,12 @@ class SpeculativeDecoder:
         output: list[int] = []
         stops = StopChecker(self.tokenizer, self.eos_token_ids, params)
         finish_reason = "length"
+        session_policy = self.policy.session() if self.policy is not None else None
         while len(output) < params.max_tokens:
             k = min(self.num_speculative_tokens, params.max_tokens - len(output) - 1)
+            if session_policy is not None and k > 0:
+                cost = self._draft_token_s / self._verify_s if self._draft_token_s and self._verify_s else None
+                k = session_policy.gamma(params.max_tokens - len(output), k, cost)
             t0 = time.perf_counter()
             proposal = self.proposer.propose(session, k) if k > 0 else None
             drafts = proposal.token_ids if proposal else []
@@ -175,6 +188,11 @@ class SpeculativeDecoder:
                                       params, start_position=len(committed))
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
+            if drafts:
+                self._draft_token_s = _ema(self._draft_token_s, (t1 - t0) / len(drafts))
+            self._verify_s = _ema(self._verify_s, time.perf_counter() - t1)
+            if session_policy is not None:
+                session_policy.learn(len(drafts), result.num_accepted)
 
             base = len(committed)
             self.target.truncate(session, base + result.num_accepted)  # drop the rejected drafts' KV

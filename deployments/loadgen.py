@@ -27,6 +27,7 @@ class RequestRecord:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    gamma_counts: list[int] = field(default_factory=list)
 
     @property
     def tpot_s(self) -> float | None:
@@ -46,6 +47,11 @@ class ModeResult:
         accepted = sum(r.accepted for r in self.records)
         rounds = sum(r.rounds for r in self.records)
         gaps = [g for r in self.records for g in r.chunk_gaps_s]
+        gammas: list[int] = []
+        for r in self.records:
+            gammas.extend([0] * (len(r.gamma_counts) - len(gammas)))
+            for g, n in enumerate(r.gamma_counts):
+                gammas[g] += n
         return {
             "mode": self.mode, "concurrency": self.concurrency, "requests": len(self.records),
             "tokens": tokens, "wall_s": self.wall_s, "tokens_per_s": tokens / self.wall_s if self.wall_s else 0.0,
@@ -54,6 +60,7 @@ class ModeResult:
             "inter_chunk_s": _percentiles(gaps),
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": tokens / rounds if rounds else 0.0,
+            "rounds_by_gamma": gammas,
         }
 
 
@@ -102,7 +109,7 @@ def _one(client: httpx.Client, endpoint: str, model: str, prompt: str, max_token
     end = time.perf_counter()
     return RequestRecord(ttft_s=(first or end) - start, total_s=end - start, tokens=tokens, chunk_gaps_s=gaps,
                          drafted=final.get("drafted", 0), accepted=final.get("accepted", 0),
-                         rounds=final.get("rounds", 0))
+                         rounds=final.get("rounds", 0), gamma_counts=final.get("gamma_counts", []))
 
 
 def run_endpoint_bench(endpoint: str, prompts: list[str], max_tokens: int, concurrency: tuple[int, ...],
@@ -143,13 +150,13 @@ def format_endpoint_report(report: dict) -> str:
     lines = [f"endpoint {report['endpoint']} model {report['model']}, {report['prompts']} prompts, "
              f"max_tokens {report['max_tokens']}, greedy",
              f"{'mode':<12}{'conc':>5}{'tok/s':>9}{'TTFT p50':>10}{'p90':>8}{'TPOT p50':>10}{'p90':>8}"
-             f"{'chunk p50':>11}{'α':>6}{'E':>6}"]
+             f"{'chunk p50':>11}{'α':>6}{'E':>6}  rounds by γ"]
     for r in report["results"]:
         lines.append(f"{r['mode']:<12}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}"
                      f"{r['ttft_s'].get('p50', 0) * 1e3:>8.0f}ms{r['ttft_s'].get('p90', 0) * 1e3:>6.0f}ms"
                      f"{r['tpot_s'].get('p50', 0) * 1e3:>8.1f}ms{r['tpot_s'].get('p90', 0) * 1e3:>6.1f}ms"
                      f"{r['inter_chunk_s'].get('p50', 0) * 1e3:>9.1f}ms"
-                     f"{r['acceptance_rate']:>6.2f}{r['mean_accepted_length']:>6.2f}")
+                     f"{r['acceptance_rate']:>6.2f}{r['mean_accepted_length']:>6.2f}  {r['rounds_by_gamma']}")
     for n, ratio in report["speedup_over_plain"].items():
         lines.append(f"speculative / plain at {n} concurrent streams: {ratio:.2f}x")
     return "\n".join(lines)

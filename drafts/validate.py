@@ -1,0 +1,160 @@
+"""`tandem drafts validate`: how good is a draft for a target, on this machine?
+
+Greedy acceptance is measured exactly as the speculation loop would see it: along the target's own
+greedy continuation of each prompt, the draft's greedy token at each position (given the target's
+prefix) either agrees or not; a round of γ drafts accepts the agreeing run from its start, then
+commits one more token (recovered or bonus). Replaying rounds over that agreement sequence gives
+acceptance by draft position and mean accepted length for every γ without running γ separate loops.
+The cost ratio c is timed here (one draft step / one target step, both with a KV cache, threads
+pinned). Predicted speedups use the measured E(γ) with the sequential and pipelined formulas.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cluster.runner import TorchModelRunner
+
+
+@dataclass
+class Agreement:
+    tokens: list[int]  # the target's continuation
+    agree: list[bool]  # draft greedy == target greedy at each continuation position
+
+
+def agreement(target, draft, prompt_ids: list[int], max_tokens: int) -> Agreement:
+    """The target's greedy continuation and, position by position, whether the draft agrees. The draft
+    runs step by step with its KV cache, as it drafts in the loop (one forward over the whole sequence
+    is not the same computation: dynamic int8 quantisation scales activations per forward)."""
+    with torch.inference_mode():
+        out = target.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                              do_sample=False, max_new_tokens=max_tokens)
+        tokens = out[0, len(prompt_ids):].tolist()
+    runner = TorchModelRunner(draft, name="validate")
+    runner.add_session("v")
+    if len(prompt_ids) > 1:
+        runner.extend("v", prompt_ids[:-1], num_logits=0)
+    agree, last = [], prompt_ids[-1]
+    for token in tokens:
+        agree.append(int(runner.extend("v", [last])[-1].argmax()) == token)
+        last = token
+    runner.release("v")
+    return Agreement(tokens, agree)
+
+
+def replay_rounds(agree: list[bool], gamma: int, max_tokens: int | None = None) -> tuple[list[int], list[int], int]:
+    """(drafted per position, accepted per position, rounds) of the sequential loop with γ drafts per
+    round over a continuation of len(agree) tokens (the loop's k = min(γ, remaining − 1))."""
+    n = len(agree) if max_tokens is None else min(max_tokens, len(agree))
+    drafted, accepted = [0] * gamma, [0] * gamma
+    pos = rounds = 0
+    while pos < n:
+        k = min(gamma, n - pos - 1)
+        run = 0
+        while run < k and agree[pos + run]:
+            run += 1
+        for i in range(k):
+            drafted[i] += 1
+            accepted[i] += int(i < run)
+        pos += run + 1
+        rounds += 1
+    return drafted, accepted, rounds
+
+
+def time_step(model, prompt_ids: list[int], steps: int = 24) -> float:
+    """Seconds per single-token decoding step with a KV cache (median)."""
+    runner = TorchModelRunner(model, name="timing")
+    runner.add_session("t")
+    runner.extend("t", prompt_ids, num_logits=1)
+    times = []
+    token = prompt_ids[-1]
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = runner.extend("t", [token])
+        times.append(time.perf_counter() - t0)
+        token = int(logits[-1].argmax())
+    runner.release("t")
+    return sorted(times)[len(times) // 2]
+
+
+def validate(target, draft, prompts: list[list[int]], max_tokens: int = 64, max_gamma: int = 8,
+             timing_prompt: list[int] | None = None) -> dict:
+    records = [agreement(target, draft, ids, max_tokens) for ids in prompts]
+    agree_all = [a for r in records for a in r.agree]
+    alpha = sum(agree_all) / len(agree_all) if agree_all else 0.0
+    timing_prompt = timing_prompt or prompts[0]
+    t_target = time_step(target, timing_prompt)
+    t_draft = time_step(draft, timing_prompt)
+    c = t_draft / t_target
+    per_gamma = []
+    for gamma in range(1, max_gamma + 1):
+        drafted, accepted, rounds, tokens = [0] * gamma, [0] * gamma, 0, 0
+        for r in records:
+            d, a, n = replay_rounds(r.agree, gamma)
+            drafted = [x + y for x, y in zip(drafted, d)]
+            accepted = [x + y for x, y in zip(accepted, a)]
+            rounds += n
+            tokens += len(r.agree)
+        e = tokens / rounds if rounds else 1.0
+        per_gamma.append({"gamma": gamma, "mean_accepted_length": e,
+                          "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
+                          "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+                          "drafted": sum(drafted), "accepted": sum(accepted),
+                          "predicted_sequential_speedup": e / (1 + gamma * c),
+                          "predicted_pipelined_speedup": e / max(1.0, gamma * c)})
+    best_seq = max(per_gamma, key=lambda g: g["predicted_sequential_speedup"])
+    best_pipe = max(per_gamma, key=lambda g: g["predicted_pipelined_speedup"])
+    return {"alpha": alpha, "cost_ratio": c, "target_step_s": t_target, "draft_step_s": t_draft,
+            "positions": len(agree_all), "prompts": len(prompts), "max_tokens": max_tokens,
+            "acceptance_by_position": per_gamma[-1]["acceptance_by_position"],
+            "by_gamma": per_gamma, "recommended_gamma": best_seq["gamma"],
+            "recommended_gamma_pipelined": best_pipe["gamma"],
+            "best_predicted_sequential_speedup": best_seq["predicted_sequential_speedup"],
+            "best_predicted_pipelined_speedup": best_pipe["predicted_pipelined_speedup"]}
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    acc = report["acceptance_by_position"]
+    left.bar(range(1, len(acc) + 1), acc)
+    left.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1),
+             title=f"acceptance by position (α = {report['alpha']:.2f})")
+    gammas = [g["gamma"] for g in report["by_gamma"]]
+    right.plot(gammas, [g["predicted_sequential_speedup"] for g in report["by_gamma"]], "o-", label="sequential")
+    right.plot(gammas, [g["predicted_pipelined_speedup"] for g in report["by_gamma"]], "s-", label="pipelined")
+    right.axhline(1.0, color="grey", lw=0.8)
+    right.set(xlabel="γ (draft tokens per round)", ylabel="predicted speedup",
+              title=f"c = {report['cost_ratio']:.3f}")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_report(report: dict) -> str:
+    lines = [f"α (greedy agreement) {report['alpha']:.3f} over {report['positions']} positions, "
+             f"{report['prompts']} prompts; c = {report['cost_ratio']:.3f} "
+             f"(draft {report['draft_step_s'] * 1e3:.1f} ms / target {report['target_step_s'] * 1e3:.1f} ms)",
+             "acceptance by draft position: " + " ".join(f"{a:.2f}" for a in report["acceptance_by_position"]),
+             f"{'γ':>3}{'E':>7}{'seq':>8}{'pipe':>8}"]
+    for g in report["by_gamma"]:
+        lines.append(f"{g['gamma']:>3}{g['mean_accepted_length']:>7.2f}{g['predicted_sequential_speedup']:>8.2f}"
+                     f"{g['predicted_pipelined_speedup']:>8.2f}")
+    lines.append(f"recommended γ: {report['recommended_gamma']} sequential "
+                 f"({report['best_predicted_sequential_speedup']:.2f}x), {report['recommended_gamma_pipelined']} "
+                 f"pipelined ({report['best_predicted_pipelined_speedup']:.2f}x)")
+    return "\n".join(lines)
+
+
+def write_json(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)

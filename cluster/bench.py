@@ -21,6 +21,7 @@ from cluster.speculate import SpeculationStats, SpeculativeDecoder
 from cluster.workloads import workload
 from drafts.draft_model import DraftModelProposer, quantized_copy
 from drafts.ngram import NGramProposer
+from drafts.small_draft import draft_path, load_draft
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ def _first_divergence_gap(target: TorchModelRunner, prompt: list[int], a: list[i
 
 def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: int = 4,
               dtype: str = "bfloat16", threads: int = 1, cache_dir: str | None = None,
-              include_hf: bool = True) -> dict:
+              include_hf: bool = True, drafts: list[str] = ()) -> dict:
+    """`drafts`: tandem drafts ('distilled' or directories) benchmarked beside the int8 copy."""
     torch.set_num_threads(threads)
     path = models.prepare_default_model(cache_dir)
     tokenizer = models.load_tokenizer(path)
@@ -124,6 +126,11 @@ def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: in
                                                  tokenizer, gamma),
         "ngram": lambda: SpeculativeDecoder(target, NGramProposer(), tokenizer, gamma),
     }
+    for name in drafts:
+        small = load_draft(name, target_model)
+        spec_modes[f"draft_{draft_path(name).name}"] = (
+            lambda small=small: SpeculativeDecoder(target, DraftModelProposer(TorchModelRunner(small, "draft")),
+                                                   tokenizer, gamma))
     report: dict = {"config": {"dtype": dtype, "threads": threads, "num_speculative_tokens": gamma,
                                "max_tokens": max_tokens, "prompts": num_prompts}, "workloads": {}}
     for name in workloads:

@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=1, help="torch threads (pinned)")
     bench.add_argument("--cache-dir")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers reference modes")
+    bench.add_argument("--draft", action="append", default=[],
+                       help="also bench this tandem draft directory (repeatable)")
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench.add_argument("--distributed", action="store_true",
                        help="target-only vs sequential vs pipelined through Ray + gRPC (workload humaneval unless set)")
@@ -258,7 +260,7 @@ def _bench(args) -> int:
 
     workloads = ["humaneval", "chat"] if args.workload == "all" else [args.workload]
     report = run_bench(workloads, args.prompts, args.max_tokens, args.num_speculative_tokens, args.dtype,
-                       args.threads, args.cache_dir, include_hf=not args.no_hf)
+                       args.threads, args.cache_dir, include_hf=not args.no_hf, drafts=args.draft)
     print(format_report(report))
     if args.json:
         write_json(report, args.json)

@@ -30,7 +30,7 @@ import ray.exceptions
 
 from cluster.errors import InvalidRequestError, TandemError
 from cluster.sampling import SamplingParams
-from cluster.speculate import GenerationResult, SpeculationStats, validate_request
+from cluster.speculate import GenerationResult, SpeculationStats, ema, validate_request
 from cluster.stopping import StopChecker
 from cluster.verifier_server import params_to_pb
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
@@ -66,10 +66,6 @@ class RoundTiming:
     verify_end: float = 0.0
     sent: float = 0.0  # router clock around the gRPC round trip
     received: float = 0.0
-
-
-def _ema(old: float, new: float, weight: float = 0.1) -> float:
-    return new if old == 0.0 else (1 - weight) * old + weight * new
 
 
 class VerifierReplicaHandle:
@@ -405,7 +401,7 @@ class Router:
                         probs = [pb.DraftDistribution(token_ids=i, probs=p) for i, p in proposal["draft_probs"] or []]
                 t1 = time.time()
                 if drafts:
-                    self._draft_token_s = _ema(self._draft_token_s, (t1 - t0) / len(drafts))
+                    self._draft_token_s = ema(self._draft_token_s, (t1 - t0) / len(drafts))
                 if not drafts:
                     if live:
                         break  # nothing to add: wait for the rounds in flight
@@ -434,7 +430,7 @@ class Router:
             verifier_sessions = self._last_load = result.active_sessions
             timing.verify_start, timing.verify_end = result.verify_start, result.verify_end
             timing.received = received
-            self._verify_s = _ema(self._verify_s, result.verify_end - result.verify_start)
+            self._verify_s = ema(self._verify_s, result.verify_end - result.verify_start)
             stats.verify_s += result.verify_end - result.verify_start
             if timeline is not None:
                 timeline.append(timing)

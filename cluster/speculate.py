@@ -104,7 +104,8 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, max_cont
         raise InvalidRequestError("stop strings need a tokenizer")
 
 
-def _ema(old: float, new: float, weight: float = 0.1) -> float:
+def ema(old: float, new: float, weight: float = 0.1) -> float:
+    """Exponential moving average; the first value is taken as is."""
     return new if old == 0.0 else (1 - weight) * old + weight * new
 
 
@@ -189,8 +190,8 @@ class SpeculativeDecoder:
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
             if drafts:
-                self._draft_token_s = _ema(self._draft_token_s, (t1 - t0) / len(drafts))
-            self._verify_s = _ema(self._verify_s, time.perf_counter() - t1)
+                self._draft_token_s = ema(self._draft_token_s, (t1 - t0) / len(drafts))
+            self._verify_s = ema(self._verify_s, time.perf_counter() - t1)
             if session_policy is not None:
                 session_policy.learn(len(drafts), result.num_accepted)
 

@@ -31,6 +31,10 @@ DRAFT_FILE = "tandem_draft.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
+def draft_path(name: str | Path) -> Path:
+    return Path(name).expanduser()
+
+
 @dataclass
 class DraftSpec:
     layers: list[int]  # target layer indices the draft's layers come from
@@ -63,7 +67,7 @@ class SubsetHead(nn.Module):
 
 
 def is_tandem_draft(path: str | Path) -> bool:
-    return (Path(path) / DRAFT_FILE).is_file()
+    return (draft_path(path) / DRAFT_FILE).is_file()
 
 
 def build_draft(target: nn.Module, spec: DraftSpec) -> nn.Module:
@@ -122,6 +126,7 @@ def save_draft(draft: nn.Module, path: str | Path, dtype: torch.dtype = torch.bf
 
 
 def load_spec(path: str | Path) -> DraftSpec:
+    path = draft_path(path)
     try:
         return DraftSpec(**json.loads((Path(path) / DRAFT_FILE).read_text()))
     except (OSError, ValueError, TypeError) as e:
@@ -132,6 +137,7 @@ def load_draft(path: str | Path, target: nn.Module) -> nn.Module:
     """Rebuild a saved draft on top of `target` (which lends its embeddings and, if self-speculative, layers)."""
     from safetensors.torch import load_file
 
+    path = draft_path(path)
     spec = load_spec(path)
     draft = build_draft(target, spec)
     state = load_file(str(Path(path) / WEIGHTS_FILE))

@@ -110,7 +110,7 @@ def _first_divergence_gap(target: TorchModelRunner, prompt: list[int], a: list[i
 def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: int = 4,
               dtype: str = "bfloat16", threads: int = 1, cache_dir: str | None = None,
               include_hf: bool = True, drafts: list[str] = ()) -> dict:
-    """`drafts`: tandem drafts ('distilled' or directories) benchmarked beside the int8 copy."""
+    """`drafts`: tandem draft directories benchmarked beside the int8 copy."""
     torch.set_num_threads(threads)
     path = models.prepare_default_model(cache_dir)
     tokenizer = models.load_tokenizer(path)

@@ -236,6 +236,16 @@ def test_grpc_generate_health_reflection(server, tokenizer, prompt_ids, referenc
                                                   timeout=30))
     services = {s.name for s in answer.list_services_response.service}
     assert "tandem.v1.Generation" in services and "grpc.health.v1.Health" in services
+    # what grpcurl needs to call Generate without the .proto: the file that defines it
+    files = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        file_containing_symbol="tandem.v1.Generation")]), timeout=30)).file_descriptor_response.file_descriptor_proto
+    from google.protobuf import descriptor_pb2
+
+    names = set()
+    for blob in files:
+        fd = descriptor_pb2.FileDescriptorProto.FromString(blob)
+        names |= {f"{fd.package}.{m.name}" for m in fd.message_type}
+    assert {"tandem.v1.GenerateRequest", "tandem.v1.GenerateResponse"} <= names
 
 
 def test_grpc_bad_requests_invalid_argument(server):

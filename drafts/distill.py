@@ -211,7 +211,7 @@ def distill(target, tokenizer, out_dir: str | Path, config: DistillConfig, texts
         optimizer.step()
         scheduler.step()
         step += 1
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
         if step % config.checkpoint_every == 0 or step == total_steps:

@@ -285,6 +285,28 @@ def test_client_disconnect_frees_the_session(server):
     assert _verifier_sessions() == 0
 
 
+def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, references):
+    """A second application whose verifier replicas are TP = 3 (one STRICT_PACK group of 3 bundles:
+    rank 0 in the Serve replica, ranks 1-2 as actors in its group): same greedy tokens."""
+    from ray import serve
+    from ray.util import placement_group_table
+
+    from deployments.builder import build_app
+
+    serve.run(build_app({"engine": {"dtype": "float32", "threads": 1}, "tensor_parallel_size": 3}),
+              name="tp", route_prefix="/tp")
+    try:
+        groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+        assert any(g["strategy"] == "STRICT_PACK" and len(g["bundles"]) == 3 for g in groups), groups
+        r = httpx.post(server.http + "/tp/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": PROMPTS[1][0], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == _ref(references, prompt_ids, 1)
+    finally:
+        serve.delete("tp")
+
+
 def test_invalid_config_names_the_field(tmp_path):
     text = DEFAULT_CONFIG.read_text()
     cases = [("pipeline_depth: 2", "pipeline_depth: 0", "pipeline_depth"),

@@ -75,7 +75,9 @@ class DrafterPool:
     def __init__(self, engine_config: dict, placement: dict):
         from cluster.drafter import Drafter
 
+        context = serve.get_replica_context()
         self.actor = ray.remote(Drafter).options(
+            name=f"tandem-drafter-{context.app_name}-{context.replica_id.unique_id}",
             num_cpus=placement.get("num_cpus", 1), num_gpus=placement.get("num_gpus", 0),
             accelerator_type=placement.get("accelerator_type"), resources=placement.get("resources") or None,
             max_restarts=-1, max_task_retries=0, max_concurrency=256,

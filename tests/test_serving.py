@@ -285,6 +285,41 @@ def test_client_disconnect_frees_the_session(server):
     assert _verifier_sessions() == 0
 
 
+def _named_actor(prefix: str):
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        if info["name"].startswith(prefix):
+            return ray.get_actor(info["name"], namespace=info["namespace"])
+    raise AssertionError(f"no actor named {prefix}*")
+
+
+@pytest.fixture(scope="module")
+def long_reference(target_fp32, tokenizer):
+    ids = encode_prompt(tokenizer, PROMPTS[0][0], False)
+    return greedy_references(target_fp32, [ids], 96)[tuple(ids)]
+
+
+@pytest.mark.parametrize("victim", ["drafter", "verifier"])
+def test_killed_worker_mid_stream_output_unchanged(server, client, long_reference, victim):
+    """Kill the drafter actor (the session goes on with plain decoding) or the verifier replica (the
+    session is replayed from the router's committed tokens onto the replica Serve starts instead):
+    the stream completes with the reference tokens either way."""
+    actor = _named_actor("tandem-drafter-tandem-" if victim == "drafter" else "SERVE_REPLICA::tandem#VerifierPool")
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=96, temperature=0,
+                                       stream=True, extra_body={"return_token_ids": True})
+    ids, killed = [], False
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids += choice.model_extra.get("token_ids") or []
+        if ids and not killed:
+            ray.kill(actor, no_restart=victim == "verifier")  # Serve replaces the replica; Ray restarts the drafter
+            killed = True
+    assert killed and ids == long_reference
+    # and the server serves new requests afterwards
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=8, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == long_reference[:8]
+
+
 def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, references):
     """A second application whose verifier replicas are TP = 3 (one STRICT_PACK group of 3 bundles:
     rank 0 in the Serve replica, ranks 1-2 as actors in its group): same greedy tokens."""

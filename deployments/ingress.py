@@ -183,7 +183,7 @@ class Ingress:
                                                        add_generation_prompt=True, tokenize=True, return_dict=False))
 
     async def _run(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None):
-        """The router's chunks; a refused request raises InvalidRequestError before the first chunk."""
+        """The router's chunks (an error arrives as one {"error": ...} chunk); cancelled when the caller goes away."""
         stream = self.router.options(stream=True).generate.remote(prompt_ids, params.model_dump(),
                                                                   max_speculative_tokens)
         try:

@@ -189,7 +189,9 @@ def _drafts(args) -> int:
                   threads=args.threads)
     print(v.format_report(report))
     if args.json:
-        v.write_json(report, args.json)
+        from cluster.bench import write_json
+
+        write_json(report, args.json)
     if args.plot:
         v.plot(report, args.plot)
     if args.min_acceptance is not None and report["alpha"] < args.min_acceptance:

@@ -88,6 +88,13 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
                                        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
 
 
+def check_tensor_parallel(tensor_parallel_size: int, kv_heads: int) -> None:
+    """transformers' TP plan does not check this at load: refuse it here."""
+    if kv_heads % tensor_parallel_size:
+        raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} must divide the target's "
+                          f"num_key_value_heads={kv_heads}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
@@ -197,7 +204,7 @@ class TandemCluster:
 
         tokenizer = models.load_tokenizer(path)
         model_config = AutoConfig.from_pretrained(path)
-        self._check_tp(model_config.num_key_value_heads)
+        check_tensor_parallel(config.tensor_parallel_size, model_config.num_key_value_heads)
         self.id = uuid.uuid4().hex[:6]  # several clusters may share one Ray
         self.replicas = [VerifierReplica(f"{self.id}-verifier{i}", config) for i in range(config.num_verifier_replicas)]
         self.drafter = None
@@ -224,11 +231,6 @@ class TandemCluster:
                              max_context=model_config.max_position_embeddings,
                              balance_pipeline=config.balance_pipeline)
         self.tokenizer = tokenizer
-
-    def _check_tp(self, kv_heads: int) -> None:
-        tp = self.config.tensor_parallel_size
-        if kv_heads % tp:
-            raise ConfigError(f"tensor_parallel_size={tp} must divide the target's num_key_value_heads={kv_heads}")
 
     def _wait_placed(self, groups, what: str, bundle: dict, count: int = 1) -> None:
         deadline = time.time() + self.config.placement_timeout_s

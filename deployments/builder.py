@@ -8,7 +8,7 @@ from ray import serve
 from ray.serve import Application
 
 from cluster import models
-from cluster.errors import ConfigError
+from cluster.runtime import check_tensor_parallel
 from deployments.config import DeploymentSpec, TandemAppConfig
 from deployments.ingress import Ingress
 from deployments.pools import DrafterPool, VerifierPool
@@ -25,10 +25,7 @@ def _check_tensor_parallel(config: TandemAppConfig) -> None:
     from transformers import AutoConfig
 
     path = models.resolve_model_path(config.engine.target, config.engine.cache_dir)
-    kv_heads = AutoConfig.from_pretrained(path).num_key_value_heads
-    if kv_heads % config.tensor_parallel_size:
-        raise ConfigError(f"tensor_parallel_size={config.tensor_parallel_size} must divide the target's "
-                          f"num_key_value_heads={kv_heads}")
+    check_tensor_parallel(config.tensor_parallel_size, AutoConfig.from_pretrained(path).num_key_value_heads)
 
 
 def build_app(config: TandemAppConfig | dict | None = None) -> Application:

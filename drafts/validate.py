@@ -11,7 +11,6 @@ pinned). Predicted speedups use the measured E(γ) with the sequential and pipel
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -154,7 +153,3 @@ def format_report(report: dict) -> str:
                  f"pipelined ({report['best_predicted_pipelined_speedup']:.2f}x)")
     return "\n".join(lines)
 
-
-def write_json(report: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)

@@ -37,6 +37,22 @@ def draft_int8(target_fp32):
     return quantized_copy(target_fp32)
 
 
+@pytest.fixture(scope="module")
+def prompt_ids(request, tokenizer):
+    """The test module's PROMPTS [(text, use_chat_template)], encoded."""
+    from cluster.engine import encode_prompt
+
+    return [encode_prompt(tokenizer, text, chat) for text, chat in request.module.PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def references(request, target_fp32, prompt_ids):
+    """transformers' greedy output for each of the module's prompts, MAX_TOKENS long."""
+    from tests.helpers import greedy_references
+
+    return greedy_references(target_fp32, prompt_ids, request.module.MAX_TOKENS)
+
+
 @pytest.fixture()
 def target_runner(target_fp32):
     return TorchModelRunner(target_fp32, name="target")

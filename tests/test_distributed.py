@@ -10,12 +10,11 @@ import grpc
 import pytest
 import ray
 
-from cluster.engine import EngineConfig, encode_prompt
+from cluster.engine import EngineConfig
 from cluster.errors import ConfigError
 from cluster.runtime import ClusterConfig, PlacementConfig, TandemCluster, init_local_ray
 from cluster.sampling import SamplingParams
 from protos import pb, rpc
-from tests.helpers import greedy_references
 
 MAX_TOKENS = 32
 PROMPTS = [
@@ -35,16 +34,6 @@ def ray_local():
     init_local_ray(num_cpus=16, num_gpus=4, resources={"draft_gpu": 2})  # fake GPUs for placement
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer):
-    return [encode_prompt(tokenizer, text, chat) for text, chat in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def references(target_fp32, prompt_ids):
-    return greedy_references(target_fp32, prompt_ids, MAX_TOKENS)
 
 
 def start(ray_local, **kwargs) -> TandemCluster:

@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-from cluster.engine import encode_prompt
 from cluster.runner import TorchModelRunner
 from cluster.sampling import SamplingParams
 from cluster.speculate import SpeculativeDecoder
@@ -19,7 +18,7 @@ from drafts.draft_model import DraftModelProposer
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from drafts.small_draft import DraftSpec, build_draft, load_draft, save_draft
 from drafts.validate import agreement, replay_rounds, validate
-from tests.helpers import OracleProposer, greedy_references
+from tests.helpers import OracleProposer
 
 PROMPTS = [
     ("def binary_search(items, target):\n", False),
@@ -28,16 +27,6 @@ PROMPTS = [
     ("How do plants make food?", True),
 ]
 MAX_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer):
-    return [encode_prompt(tokenizer, text, chat) for text, chat in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def references(target_fp32, prompt_ids):
-    return greedy_references(target_fp32, prompt_ids, MAX_TOKENS)
 
 
 def _subset(tokenizer, size=2048):

@@ -8,12 +8,11 @@ import json.decoder
 
 import pytest
 
-from cluster.engine import encode_prompt
 from cluster.sampling import SamplingParams
 from cluster.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
 from drafts.ngram import NGramProposer
-from tests.helpers import OracleProposer, greedy_references
+from tests.helpers import OracleProposer
 
 MAX_TOKENS = 64
 
@@ -44,16 +43,6 @@ PROMPTS = [  # (text, chat template?)
     ("Explain recursion to a beginner.", True),
     ("List three fruits.", True),
 ]
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer):
-    return [encode_prompt(tokenizer, text, chat) for text, chat in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def references(target_fp32, prompt_ids):
-    return greedy_references(target_fp32, prompt_ids, MAX_TOKENS)
 
 
 def test_workload_covers_long_contexts_and_both_stops(prompt_ids, references, target_fp32):

@@ -55,16 +55,6 @@ def client(server):
     return openai.OpenAI(base_url=server.http + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer):
-    return [encode_prompt(tokenizer, text, chat) for text, chat in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def references(target_fp32, prompt_ids):
-    return greedy_references(target_fp32, prompt_ids, MAX_TOKENS)
-
-
 def _ref(references, prompt_ids, i):
     return references[tuple(prompt_ids[i])]
 

@@ -11,6 +11,7 @@ import ray
 
 from cluster.bench import effective_alpha, predicted_pipelined_speedup, predicted_sequential_speedup
 from cluster.engine import EngineConfig, encode_prompt
+from cluster.pipeline_model import pipelined_ceiling
 from cluster.runtime import ClusterConfig, TandemCluster, init_local_ray
 from cluster.sampling import SamplingParams
 from cluster.workloads import workload
@@ -109,6 +110,10 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
     report["predicted_sequential_speedup"] = predicted_sequential_speedup(alpha, gamma, c)
     report["pipelined_bound"] = predicted_pipelined_speedup(alpha, gamma, c)
     report["pipelined_fraction_of_bound"] = pipe["speedup_vs_target_only"] / report["pipelined_bound"]
+    # the ceiling of the router's own policy at this α and c (rejections included), from the model
+    ceiling = pipelined_ceiling(alpha, c, gamma)
+    report["model"] = ceiling
+    report["pipelined_fraction_of_ceiling"] = pipe["speedup_vs_target_only"] / ceiling["pipelined_speedup"]
     return report
 
 
@@ -127,6 +132,11 @@ def format_distributed(report: dict) -> str:
               f"α (effective) {report['modes']['sequential']['alpha']:.2f}, c {report['modes']['sequential']['cost_ratio_c']:.3f}; "
               f"predicted sequential {report['predicted_sequential_speedup']:.2f}×, pipelined bound "
               f"{report['pipelined_bound']:.2f}×, pipelined reaches {report['pipelined_fraction_of_bound']:.0%} of it", "",
+              f"model of the router's policy at this α and c (cluster/pipeline_model.py): sequential "
+              f"{report['model']['sequential_speedup']:.2f}× (γ {report['model']['sequential_gamma']}), pipelined "
+              f"{report['model']['pipelined_speedup']:.2f}× (γ {report['model']['pipelined_gamma']}), ratio "
+              f"{report['model']['pipelined_over_sequential']:.2f}×; pipelined reaches "
+              f"{report['pipelined_fraction_of_ceiling']:.0%} of the modelled ceiling", "",
               "| mode | " + " | ".join(f"{c['sessions']} sessions tok/s" for c in report["modes"]["target_only"]["concurrency"]) + " |",
               "|---|" + "---|" * len(report["modes"]["target_only"]["concurrency"])]
     for mode, row in report["modes"].items():

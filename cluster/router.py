@@ -49,6 +49,8 @@ class RouterMetrics:
     replays: int = 0  # sessions moved to another verifier replica after a failure
     drafter_fallbacks: int = 0  # sessions that lost their drafter and went on with plain decoding
     pipeline_stalls: int = 0  # pipelined rounds sent when the verifier had nothing queued for the session
+    bubble_fills: int = 0  # plain steps run while the drafter redrafted after a rejection
+    bubble_fill_misses: int = 0  # ... whose token the redrafted first draft did not match (drafts dropped)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -98,7 +100,11 @@ class VerifierReplicaHandle:
         """Take the replica out of placement until Ray has restarted it (in the background)."""
         if self.healthy:
             self.healthy = False
-            threading.Thread(target=self.refresh, daemon=True, name=f"refresh-{self.name}").start()
+            threading.Thread(target=self._recover, daemon=True, name=f"refresh-{self.name}").start()
+
+    def _recover(self) -> None:
+        while not self.refresh():  # logged by refresh; the replica stays out of placement meanwhile
+            time.sleep(5.0)
 
 
 class StaticVerifierPool:
@@ -175,7 +181,7 @@ class Router:
     def __init__(self, pool, drafter=None, tokenizer=None,
                  eos_token_ids: Sequence[int] = (), num_speculative_tokens: int = 4, pipeline_depth: int = 2,
                  max_context: int = 8192, max_replays: int = 3, balance_pipeline: bool = True,
-                 policy: SpeculationPolicyConfig | None = None):
+                 policy: SpeculationPolicyConfig | None = None, fill_bubbles: bool = True):
         if pipeline_depth < 1:
             raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
         self.pool = StaticVerifierPool(pool) if isinstance(pool, (list, tuple)) else pool
@@ -191,6 +197,8 @@ class Router:
         # Pipelined rounds pay off when drafting a round takes about as long as verifying one: with
         # `balance_pipeline`, γ per round is capped at verify time / draft time per token (online EMAs).
         self.balance_pipeline = balance_pipeline
+        # Pipelined mode: after a rejection, run a plain decoding step while the drafter redrafts.
+        self.fill_bubbles = fill_bubbles
         # γ per session from the cost model; not adaptive unless configured (tests pin γ exactly)
         self.policy = SpeculationPolicy(policy or SpeculationPolicyConfig(adaptive=False),
                                         self.num_speculative_tokens, pipelined=pipeline_depth > 1)
@@ -219,11 +227,12 @@ class Router:
         """Open the session on a replica the pool picks; with `attempts` > 1, replicas that fail to
         answer are marked failed and the next one is tried (waiting for restarts until the deadline)."""
         deadline = time.time() + deadline_s
-        for attempt in itertools.count(1):
+        failures = 0
+        while True:
             try:
                 lease = self.pool.acquire(session)
-            except TandemError:
-                if attempt >= attempts or time.time() > deadline:
+            except TandemError:  # no replica serving: wait while failed ones are restarted or rebuilt
+                if attempts <= 1 or time.time() > deadline:
                     raise
                 time.sleep(0.5)
                 continue
@@ -236,7 +245,8 @@ class Router:
                 lease.release()
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(e.details()) from None
-                if attempt >= attempts or time.time() > deadline:
+                failures += 1
+                if failures >= attempts or time.time() > deadline:
                     raise
                 log.warning("verifier replica %s did not open session %s (%s)", replica.name, session, e.code().name)
                 replica.mark_failed()
@@ -252,6 +262,19 @@ class Router:
         except _DRAFTER_ERRORS + (ray.exceptions.GetTimeoutError,) as e:
             log.warning("drafter failed during %s of session %s (%s): continuing with plain target decoding",
                         method, args[0], type(e).__name__)
+            self.metrics.add(drafter_fallbacks=1)
+            state["drafting"] = False
+            return None
+
+    def _drafter_result(self, state: dict, session: str, ref):
+        """The result of a `_drafter_call(..., wait=False)`; None (and plain decoding) if the drafter died."""
+        if ref is None or not state["drafting"]:
+            return None
+        try:
+            return ray.get(ref, timeout=120)
+        except _DRAFTER_ERRORS + (ray.exceptions.GetTimeoutError,) as e:
+            log.warning("drafter failed during propose of session %s (%s): continuing with plain target decoding",
+                        session, type(e).__name__)
             self.metrics.add(drafter_fallbacks=1)
             state["drafting"] = False
             return None
@@ -374,11 +397,22 @@ class Router:
         round_ids = itertools.count()
         verifier_sessions = 0
         cancelled: threading.Event | None = state["cancelled"]
+        fill = None  # (round, proposal ref): a plain step in flight while the drafter redrafts (see below)
+
+        def send(drafts: list[int], probs: list, bonus: bool, timing: RoundTiming) -> None:
+            nonlocal optimistic
+            stream.send(pb.VerifyRequest(session=stream.session, round=timing.round, epoch=epoch, bonus=bonus,
+                                         proposal=pb.DraftProposal(token_ids=drafts, draft_probs=probs)))
+            timing.sent = time.time()
+            in_flight.append([timing.round, epoch, len(drafts), False, timing])
+            optimistic += len(drafts)
+            stats.record_gamma(len(drafts))
+
         while True:
             if cancelled is not None and cancelled.is_set():
                 return "cancelled"
             live = sum(1 for entry in in_flight if not entry[3])
-            while live < self.pipeline_depth:
+            while fill is None and live < self.pipeline_depth:
                 remaining = params.max_tokens - len(output) - optimistic
                 if remaining <= 0:
                     break
@@ -391,6 +425,20 @@ class Router:
                         state["sync"] = []
                         state["start_drafter"](list(committed))
                         k = k if state["drafting"] else 0
+                if (k > 0 and not live and not sequential and self.fill_bubbles and state["drafting"]
+                        and stats.rounds > 0 and remaining > 2):
+                    # After a rejection the verifier would idle while the drafter drafts from the corrected
+                    # token. Give it a plain decoding step meanwhile, and ask the drafter for one draft more:
+                    # if its first draft equals the step's token, the rest go on as the next round.
+                    sync, state["sync"] = state["sync"], []
+                    ref = self._drafter_call(state, "propose", session, k + 1, sync)
+                    if ref is not None:
+                        t = time.time()
+                        timing = RoundTiming(next(round_ids), t, t)
+                        send([], [], True, timing)
+                        fill = (timing.round, ref)
+                        self.metrics.add(bubble_fills=1)
+                        break
                 t0 = time.time()
                 drafts, probs = [], []
                 if k > 0 and state["drafting"]:
@@ -406,17 +454,11 @@ class Router:
                     if live:
                         break  # nothing to add: wait for the rounds in flight
                     bonus = True  # a plain decoding step
-                rnd = next(round_ids)
-                if not sequential and not in_flight and rnd > 0:
+                if not sequential and not in_flight and stats.rounds > 0:
                     self.metrics.add(pipeline_stalls=1)  # the verifier had nothing queued for this session
-                stream.send(pb.VerifyRequest(session=stream.session, round=rnd, epoch=epoch, bonus=bonus,
-                                             proposal=pb.DraftProposal(token_ids=drafts, draft_probs=probs)))
-                timing = RoundTiming(rnd, t0, t1, sent=time.time())
-                in_flight.append([rnd, epoch, len(drafts), False, timing])
-                optimistic += len(drafts)
+                send(drafts, probs, bonus, RoundTiming(next(round_ids), t0, t1))
                 live += 1
                 stats.draft_s += t1 - t0
-                stats.record_gamma(len(drafts))
                 if bonus:
                     break  # the next round starts from this one's bonus token
             result = stream.receive()
@@ -443,7 +485,6 @@ class Router:
             op = {"num_drafted": num_drafts, "num_accepted": result.num_accepted}
             if result.recovered or result.bonus:  # the drafter continues from the corrected token
                 op.update(length=len(committed) - 1, token_ids=new_tokens[-1:])
-            state["sync"].append(op)
             if result.recovered:
                 epoch += 1
                 optimistic = 0
@@ -455,3 +496,23 @@ class Router:
                 state["on_tokens"](output[before:])
             if finish:
                 return finish
+            if fill is not None and rnd == fill[0]:
+                proposal = self._drafter_result(state, session, fill[1])
+                fill = None
+                drafts = proposal["token_ids"] if proposal else []
+                # Lossless either way: the next round's drafts were drawn from q given the drafter's own
+                # first token; when that equals the committed one they are ordinary drafts from here.
+                if len(drafts) > 1 and drafts[0] == new_tokens[-1]:
+                    op.pop("length", None)  # the drafter's sequence already continues with this token
+                    op.pop("token_ids", None)
+                    drafts = drafts[1:1 + params.max_tokens - len(output)]
+                    rows = (proposal["draft_probs"] or [])[1:1 + len(drafts)]
+                    self._draft_token_s = ema(self._draft_token_s,
+                                              (proposal["end"] - proposal["start"]) / len(proposal["token_ids"]))
+                    stats.draft_s += proposal["end"] - proposal["start"]
+                    state["sync"].append(op)
+                    send(drafts, [pb.DraftDistribution(token_ids=i, probs=p) for i, p in rows], False,
+                         RoundTiming(next(round_ids), proposal["start"], proposal["end"]))
+                    continue
+                self.metrics.add(bubble_fill_misses=1)
+            state["sync"].append(op)

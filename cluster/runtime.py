@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -59,6 +60,7 @@ class ClusterConfig(BaseModel):
     placement_timeout_s: float = Field(60.0, gt=0, description="How long to wait for resources before failing.")
     max_verifier_restarts: int = Field(-1, ge=-1, description="Ray restarts of a verifier replica (-1: unlimited).")
     balance_pipeline: bool = Field(True, description="Pipelined mode: cap γ per round at verify time / draft time per token, so neither side idles.")
+    fill_bubbles: bool = Field(True, description="Pipelined mode: after a rejection, run a plain decoding step while the drafter redrafts.")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
@@ -128,8 +130,6 @@ class VerifierRank:
             from cluster.tensor_parallel import TPLeaderRunner, follow
 
             if rank != 0:
-                import threading
-
                 threading.Thread(target=follow, args=(runner,), daemon=True, name="tp-follower").start()
                 return
             runner = TPLeaderRunner(runner)
@@ -142,6 +142,11 @@ class VerifierRank:
     def address(self) -> str | None:
         return f"{LOOPBACK}:{self.port}" if self.port else None
 
+    def broken(self) -> str | None:
+        """Why this rank's tensor-parallel group cannot serve any more (None while it can)."""
+        engine = getattr(self, "engine", None)
+        return getattr(engine.runner, "broken", None) if engine is not None else None
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -150,13 +155,24 @@ class VerifierRank:
 
 
 class VerifierReplica:
-    """A placement group with one actor per rank."""
+    """A placement group with one actor per rank.
+
+    TP = 1: Ray restarts the one rank in place. TP > 1: the ranks share a torch.distributed group that
+    cannot take a restarted member back, so when a rank dies (or rank 0's collectives fail) `resolve`
+    rebuilds the whole group: new placement group, new actors, new rendezvous port.
+    """
 
     def __init__(self, name: str, config: ClusterConfig):
-        self.name = name
+        self.name, self.config = name, config
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._spawn()
+
+    def _spawn(self) -> None:
+        config = self.config
         tp = config.tensor_parallel_size
         self.placement_group = placement_group([config.verifier_rank.bundle() for _ in range(tp)],
-                                               strategy="STRICT_PACK", name=f"tandem-{name}")
+                                               strategy="STRICT_PACK", name=f"tandem-{self.name}")
         port = free_port() if tp > 1 else 0
         actor_cls = ray.remote(VerifierRank)
         self.ranks = []
@@ -166,28 +182,60 @@ class VerifierReplica:
                 num_cpus=config.verifier_rank.num_cpus, num_gpus=config.verifier_rank.num_gpus,
                 resources=config.verifier_rank.resources or None, scheduling_strategy=strategy,
                 max_restarts=config.max_verifier_restarts if tp == 1 else 0, max_task_retries=0,
-                name=f"tandem-{name}-rank{rank}",
-            ).remote(config.engine.model_dump(), name, rank, tp, port))
+                name=f"tandem-{self.name}-rank{rank}" + (f"-r{self.restarts}" if self.restarts else ""),
+            ).remote(config.engine.model_dump(), self.name, rank, tp, port))
+
+    def _group_lost(self, timeout_s: float) -> str | None:
+        """Why a TP group must be rebuilt: a rank that does not answer, or rank 0's broken collectives."""
+        try:
+            ray.get([rank.pid.remote() for rank in self.ranks], timeout=timeout_s)
+            return ray.get(self.ranks[0].broken.remote(), timeout=timeout_s)
+        except Exception as e:  # dead, unreachable or not answering: either way the group cannot serve
+            return f"a rank is lost ({type(e).__name__}: {str(e)[:200]})"
+
+    def restart(self) -> None:
+        """Replace every rank (a TP group that lost one)."""
+        self._kill()
+        self.restarts += 1
+        self._spawn()
+        try:
+            ray.get(self.placement_group.ready(), timeout=self.config.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(f"verifier replica {self.name}: cannot place the rebuilt group in "
+                              f"{self.config.placement_timeout_s:.0f}s") from None
 
     def resolve(self, timeout_s: float = 300.0) -> str:
-        """Rank 0's gRPC address, waiting while Ray (re)starts it."""
+        """Rank 0's gRPC address, waiting while Ray (re)starts it, rebuilding a TP group that lost a rank."""
         deadline = time.time() + timeout_s
-        while True:
-            try:
-                address = ray.get(self.ranks[0].address.remote(), timeout=max(1.0, deadline - time.time()))
-                break
-            except ray.exceptions.ActorUnavailableError:  # restarting
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.25)
+        with self._lock:  # one rebuild at a time, however many sessions noticed the failure
+            if len(self.ranks) > 1:
+                lost = self._group_lost(max(1.0, deadline - time.time()))
+                if lost:
+                    log.error("verifier replica %s: %s; rebuilding its %d ranks (rebuild %d)", self.name, lost,
+                              len(self.ranks), self.restarts + 1)
+                    self.restart()
+            while True:
+                try:
+                    address = ray.get(self.ranks[0].address.remote(), timeout=max(1.0, deadline - time.time()))
+                    break
+                except ray.exceptions.ActorUnavailableError:  # restarting
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.25)
         if not address:
             raise RuntimeError(f"verifier replica {self.name} has no address")
         return address
 
-    def kill(self) -> None:
+    def _kill(self) -> None:
         for actor in self.ranks:
-            ray.kill(actor, no_restart=True)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass  # already gone
         remove_placement_group(self.placement_group)
+
+    def kill(self) -> None:
+        self._kill()
 
 
 class TandemCluster:
@@ -229,7 +277,7 @@ class TandemCluster:
         self.router = Router(handles, self.drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
                              config.engine.num_speculative_tokens, config.pipeline_depth,
                              max_context=model_config.max_position_embeddings,
-                             balance_pipeline=config.balance_pipeline)
+                             balance_pipeline=config.balance_pipeline, fill_bubbles=config.fill_bubbles)
         self.tokenizer = tokenizer
 
     def _wait_placed(self, groups, what: str, bundle: dict, count: int = 1) -> None:

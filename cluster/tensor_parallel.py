@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,15 @@ import torch.distributed as dist
 from cluster.runner import TorchModelRunner
 
 log = logging.getLogger(__name__)
+
+# A collective with a dead peer fails at once on gloo ("connection closed by peer"); NCCL would wait,
+# so every collective gets this timeout and a lost rank becomes an error, never a hung replica.
+COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("TANDEM_TP_TIMEOUT_S", "120")))
+
+
+class TensorParallelGroupBroken(RuntimeError):
+    """A rank of this replica's group is gone: the group must be rebuilt (the runtime does it)."""
+
 
 def load_tp_model(path, dtype: str, rank: int, world_size: int, master_port: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
@@ -27,7 +37,7 @@ def load_tp_model(path, dtype: str, rank: int, world_size: int, master_port: int
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank if torch.cuda.is_available() else 0))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=parse_dtype(dtype), distributed_config=DistributedConfig(tp_plan="auto", tp_size=world_size))
     return model.eval()
@@ -45,10 +55,28 @@ class TPLeaderRunner:
     def __init__(self, runner: TorchModelRunner):
         self.runner = runner
         self.vocab_size, self.max_context = runner.vocab_size, runner.max_context
+        self.broken: str | None = None  # why the group cannot run collectives any more
 
     def _call(self, name: str, *args):
-        _broadcast((name, args))
-        return getattr(self.runner, name)(*args)
+        if self.broken:
+            raise TensorParallelGroupBroken(self.broken)
+        try:
+            _broadcast((name, args))
+        except Exception as e:  # a follower died (or the group timed out): this replica is done
+            self._break(e)
+        try:
+            return getattr(self.runner, name)(*args)
+        except Exception as e:
+            try:  # the forward's own collectives fail the same way when a rank dies mid-call
+                _broadcast(("noop", ()))
+            except Exception:
+                self._break(e)
+            raise
+
+    def _break(self, error: Exception):
+        self.broken = f"tensor-parallel group lost a rank: {error}"
+        log.error("%s; the replica must be rebuilt", self.broken)
+        raise TensorParallelGroupBroken(self.broken) from None
 
     def add_session(self, session=None):
         return self._call("add_session", session)
@@ -77,6 +105,8 @@ def follow(runner: TorchModelRunner) -> None:
     """A follower rank (a daemon thread): run whatever rank 0 runs, for the life of the actor."""
     while True:
         name, args = _broadcast(None)
+        if name == "noop":
+            continue
         try:
             getattr(runner, name)(*args)
         except Exception:  # rank 0 meets the same error and reports it

@@ -182,7 +182,10 @@ class VerifierEngine:
                 log.exception("verification forward failed")
                 for sid, state, rnd, callback in batch:
                     state.pending.popleft()
-                    self.runner.truncate(sid, state.num_tokens - len(state.uncached))
+                    try:
+                        self.runner.truncate(sid, state.num_tokens - len(state.uncached))
+                    except Exception:  # e.g. a tensor-parallel group that lost a rank: nothing to undo
+                        log.debug("truncate after a failed forward failed too", exc_info=True)
                     callback(e)
                 return 0
             end = time.time()

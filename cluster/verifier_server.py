@@ -65,7 +65,12 @@ class VerifierServicer(rpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, replica: str, tensor_parallel_size: int = 1):
         self.engine, self.replica, self.tp = engine, replica, tensor_parallel_size
 
+    def _broken(self) -> str | None:
+        return getattr(self.engine.runner, "broken", None)  # a tensor-parallel group that lost a rank
+
     def Open(self, request, context):
+        if self._broken():
+            context.abort(grpc.StatusCode.UNAVAILABLE, self._broken())
         try:
             length = self.engine.open(request.session, list(request.token_ids), params_from_pb(request.params))
         except InvalidRequestError as e:
@@ -76,7 +81,7 @@ class VerifierServicer(rpc.VerifierServicer):
         return pb.ReleaseReply(released=self.engine.release(request.session))
 
     def Health(self, request, context):
-        return pb.HealthReply(serving=True, num_sessions=self.engine.num_sessions,
+        return pb.HealthReply(serving=not self._broken(), num_sessions=self.engine.num_sessions,
                               tensor_parallel_size=self.tp, replica=self.replica)
 
     def Verify(self, request_iterator, context):

@@ -65,6 +65,8 @@ class VerifierPool:
         return {"sessions": float(self.sessions())}
 
     def check_health(self) -> None:
+        if self.rank0.broken():  # its collectives failed: Serve replaces the replica, followers and all
+            raise RuntimeError(self.rank0.broken())
         for follower in self.followers:
             ray.get(follower.pid.remote(), timeout=30)  # a dead rank fails the replica; Serve replaces it
 

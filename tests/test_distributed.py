@@ -73,6 +73,9 @@ def test_pipelined_greedy_equality_and_overlap(pipelined, prompt_ids, references
     _check_all(pipelined, prompt_ids, references, timelines)
     assert pipelined.router.metrics.rounds > 0
     assert _overlaps(timelines) > 0, "depth 2 must draft round r+1 while round r is verified"
+    metrics = pipelined.router.metrics
+    # rejections happened, their bubbles were filled with plain steps, and redrafts went on after them
+    assert metrics.bubble_fills > metrics.bubble_fill_misses >= 0 and metrics.stale_rounds > 0
 
 
 def test_sequential_greedy_equality_without_overlap(ray_local, prompt_ids, references):
@@ -182,7 +185,7 @@ def test_verifier_killed_mid_generation(pipelined, prompt_ids, references):
     assert pipelined.router.metrics.replays > before
 
 
-def test_tensor_parallel_3_on_fake_gpus(ray_local, prompt_ids, references):
+def test_tensor_parallel_3_on_fake_gpus_and_a_lost_rank(ray_local, prompt_ids, references):
     config = dict(tensor_parallel_size=3, pipeline_depth=2,
                   verifier_rank=PlacementConfig(num_gpus=1), drafter=PlacementConfig(num_gpus=0.25, resources={"draft_gpu": 1}))
     cluster = start(ray_local, **config)
@@ -195,6 +198,19 @@ def test_tensor_parallel_3_on_fake_gpus(ray_local, prompt_ids, references):
         nodes = {ray.get(a.node_id.remote()) for a in cluster.replicas[0].ranks}
         assert len(nodes) == 1
         _check_all(cluster, prompt_ids[:2] + prompt_ids[6:7], references)
+
+        # a follower rank dies mid-generation: the group is rebuilt and the session replayed onto it
+        replica = cluster.replicas[0]
+        old_pids = set(ray.get([rank.pid.remote() for rank in replica.ranks]))
+        replays = cluster.router.metrics.replays
+        ids = prompt_ids[3]
+        result = _generate_and_kill(cluster, ids, lambda: ray.kill(replica.ranks[2], no_restart=True))
+        assert result.token_ids == references[tuple(ids)]
+        assert cluster.router.metrics.replays == replays + 1 and replica.restarts == 1
+        new_pids = set(ray.get([rank.pid.remote() for rank in replica.ranks]))
+        assert len(new_pids) == 3 and not new_pids & old_pids
+        again = cluster.generate(prompt_ids[4], SamplingParams(max_tokens=MAX_TOKENS))
+        assert again.token_ids == references[tuple(prompt_ids[4])]
     finally:
         cluster.shutdown()
 

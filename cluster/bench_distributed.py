@@ -16,10 +16,11 @@ from cluster.runtime import ClusterConfig, TandemCluster, init_local_ray
 from cluster.sampling import SamplingParams
 from cluster.workloads import workload
 
-MODES = {  # mode -> (proposer on, pipeline_depth)
-    "target_only": (False, 1),
-    "sequential": (True, 1),
-    "pipelined": (True, 2),
+MODES = {  # mode -> (proposer on, pipeline_depth, fill_bubbles)
+    "target_only": (False, 1, False),
+    "sequential": (True, 1, False),
+    "pipelined": (True, 2, True),
+    "pipelined_no_fill": (True, 2, False),  # the same without plain steps in the post-rejection bubble
 }
 
 
@@ -49,10 +50,10 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
                                "num_speculative_tokens": gamma, "dtype": dtype, "proposer": proposer,
                                "threads_per_actor": 1}, "modes": {}}
     texts, chat = workload(workload_name, num_prompts)
-    for mode, (speculate, depth) in MODES.items():
+    for mode, (speculate, depth, fill) in MODES.items():
         engine = EngineConfig(proposer=proposer if speculate else "none", num_speculative_tokens=gamma if speculate else 0,
                               dtype=dtype, threads=1)
-        cluster = TandemCluster(ClusterConfig(engine=engine, pipeline_depth=depth))
+        cluster = TandemCluster(ClusterConfig(engine=engine, pipeline_depth=depth, fill_bubbles=fill))
         try:
             prompts = [encode_prompt(cluster.tokenizer, t, chat) for t in texts]
             cluster.generate(prompts[0], SamplingParams(max_tokens=8))  # warm-up
@@ -88,14 +89,17 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
                 row["drafter_busy_s"] = after["draft_s"] - drafter_before["draft_s"]
                 row["drafter_idle_s"] = wall - row["drafter_busy_s"]
             row["overhead_fraction_of_verify_step"] = row["router_grpc_overhead_ms"] / row["verify_step_ms"]
-            row["concurrency"] = [_concurrent(cluster, prompts, n, concurrency_max_tokens) for n in concurrency]
+            row["bubble_fills"] = cluster.router.metrics.bubble_fills
+            row["bubble_fill_misses"] = cluster.router.metrics.bubble_fill_misses
+            row["concurrency"] = [_concurrent(cluster, prompts, n, concurrency_max_tokens)
+                                  for n in (concurrency if mode != "pipelined_no_fill" else ())]
             report["modes"][mode] = row
         finally:
             cluster.shutdown()
 
     base = report["modes"]["target_only"]
     step_ms = base["verify_step_ms"]  # one plain decoding step on the verifier
-    for mode in ("sequential", "pipelined"):
+    for mode in ("sequential", "pipelined", "pipelined_no_fill"):
         row = report["modes"][mode]
         row["speedup_vs_target_only"] = row["tokens_per_s"] / base["tokens_per_s"]
         draft_ms = 1e3 * row.get("drafter_busy_s", 0.0) / max(1, row["drafted"])
@@ -107,6 +111,7 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
     seq, pipe = report["modes"]["sequential"], report["modes"]["pipelined"]
     alpha, c = seq["alpha"], seq["cost_ratio_c"]
     report["pipelined_over_sequential"] = pipe["tokens_per_s"] / seq["tokens_per_s"]
+    report["fill_gain"] = pipe["tokens_per_s"] / report["modes"]["pipelined_no_fill"]["tokens_per_s"]
     report["predicted_sequential_speedup"] = predicted_sequential_speedup(alpha, gamma, c)
     report["pipelined_bound"] = predicted_pipelined_speedup(alpha, gamma, c)
     report["pipelined_fraction_of_bound"] = pipe["speedup_vs_target_only"] / report["pipelined_bound"]
@@ -128,7 +133,9 @@ def format_distributed(report: dict) -> str:
                      f"{row['acceptance_rate']:.2f} | {row['mean_accepted_length']:.2f} | {row['verify_step_ms']:.1f} | "
                      f"{row['router_grpc_overhead_ms']:.2f} ({row['overhead_fraction_of_verify_step']:.1%}) | "
                      f"{row['verifier_busy_fraction']:.0%} | {row.get('drafter_idle_s', 0.0):.1f} |")
-    lines += ["", f"pipelined / sequential: {report['pipelined_over_sequential']:.2f}×; "
+    lines += ["", f"pipelined / sequential: {report['pipelined_over_sequential']:.2f}×; filled bubbles: "
+              f"{report['fill_gain']:.2f}× over pipelined_no_fill ({report['modes']['pipelined']['bubble_fills']} fills, "
+              f"{report['modes']['pipelined']['bubble_fill_misses']} misses); "
               f"α (effective) {report['modes']['sequential']['alpha']:.2f}, c {report['modes']['sequential']['cost_ratio_c']:.3f}; "
               f"predicted sequential {report['predicted_sequential_speedup']:.2f}×, pipelined bound "
               f"{report['pipelined_bound']:.2f}×, pipelined reaches {report['pipelined_fraction_of_bound']:.0%} of it", "",
@@ -140,5 +147,7 @@ def format_distributed(report: dict) -> str:
               "| mode | " + " | ".join(f"{c['sessions']} sessions tok/s" for c in report["modes"]["target_only"]["concurrency"]) + " |",
               "|---|" + "---|" * len(report["modes"]["target_only"]["concurrency"])]
     for mode, row in report["modes"].items():
+        if not row["concurrency"]:
+            continue
         lines.append(f"| {mode} | " + " | ".join(f"{c['tokens_per_s']:.2f}" for c in row["concurrency"]) + " |")
     return "\n".join(lines)

@@ -245,11 +245,13 @@ class Router:
                 lease.release()
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(e.details()) from None
-                failures += 1
+                # UNAVAILABLE: a replica that knows it is broken (it is being rebuilt): not counted
+                failures += e.code() != grpc.StatusCode.UNAVAILABLE
                 if failures >= attempts or time.time() > deadline:
                     raise
                 log.warning("verifier replica %s did not open session %s (%s)", replica.name, session, e.code().name)
                 replica.mark_failed()
+                time.sleep(0.2 if e.code() == grpc.StatusCode.UNAVAILABLE else 0)
 
     # -- drafter calls (a dead drafter means plain decoding from here on) ------------------------
 

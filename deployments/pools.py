@@ -19,6 +19,7 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.errors import TandemError
 from cluster.router import VerifierLease, VerifierReplicaHandle
 from cluster.runtime import VerifierRank, free_port
 
@@ -44,6 +45,7 @@ class VerifierPool:
             actor_cls = ray.remote(VerifierRank)
             for rank in range(1, tensor_parallel_size):
                 self.followers.append(actor_cls.options(
+                    name=f"tandem-follower-{context.app_name}-{context.replica_id.unique_id}-rank{rank}",
                     num_cpus=rank_placement.get("num_cpus", 1), num_gpus=rank_placement.get("num_gpus", 0),
                     resources=rank_placement.get("resources") or None, max_restarts=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
@@ -55,6 +57,8 @@ class VerifierPool:
 
     async def lease(self, session: str):
         """Yields this replica's gRPC address, then holds the session until the caller cancels."""
+        if self.rank0.broken():  # until Serve's health check replaces this replica
+            raise RuntimeError(f"verifier replica {self.name} is being replaced: {self.rank0.broken()}")
         yield {"address": self.rank0.address(), "name": self.name}
         await _hold(asyncio.Event())
 
@@ -123,7 +127,10 @@ class ServeVerifierPool:
         self._lock = threading.Lock()
 
     def acquire(self, session: str) -> VerifierLease:
-        lease = _Lease(self.handle, session)
+        try:
+            lease = _Lease(self.handle, session)
+        except Exception as e:  # e.g. a replica being replaced: the router waits and asks again
+            raise TandemError(f"no verifier replica took session {session}: {type(e).__name__}: {e}") from e
         address, name = lease.value["address"], lease.value["name"]
         with self._lock:
             replica = self._replicas.get(address)

@@ -328,6 +328,21 @@ def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, refe
             "return_token_ids": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == _ref(references, prompt_ids, 1)
+
+        # a follower rank dies mid-stream: rank 0's collectives fail, the replica refuses new sessions and
+        # fails its health check, Serve replaces it (followers and all), the session is replayed onto it
+        follower = _named_actor("tandem-follower-tp-")
+        tp = openai.OpenAI(base_url=server.http + "/tp/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        stream = tp.completions.create(model=MODEL, prompt=PROMPTS[1][0], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, extra_body={"return_token_ids": True})
+        ids, killed = [], False
+        for chunk in stream:
+            for choice in chunk.choices:
+                ids += choice.model_extra.get("token_ids") or []
+            if ids and not killed:
+                ray.kill(follower, no_restart=True)
+                killed = True
+        assert killed and ids == _ref(references, prompt_ids, 1)
     finally:
         serve.delete("tp")
 

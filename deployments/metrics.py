@@ -34,6 +34,8 @@ class TandemMetrics:
         self.inter_token = metrics.Histogram("tandem_inter_token_latency_s", "Mean time between tokens, per request.",
                                              boundaries=_LATENCY_BOUNDARIES, tag_keys=tags)
         self.pipeline_stalls = metrics.Counter("tandem_pipeline_stalls", "Pipelined rounds sent with nothing in flight.", tags)
+        self.bubble_fills = metrics.Counter(
+            "tandem_bubble_fills", "Plain steps run while the drafter redrafted after a rejection.", tags)
         self.replays = metrics.Counter("tandem_replays", "Sessions replayed onto another verifier replica.", tags)
         self.fallbacks = metrics.Counter("tandem_drafter_fallbacks", "Sessions that went on with plain decoding after losing their drafter.", tags)
         self.queue_depth = metrics.Gauge("tandem_queue_depth", "Requests waiting for a router slot.", tags)
@@ -41,7 +43,7 @@ class TandemMetrics:
         for metric in (self.requests, self.errors, self.prompt_tokens, self.generated_tokens, self.drafted_tokens,
                        self.accepted_tokens, self.accepted_per_position, self.drafted_per_position, self.rounds,
                        self.gamma, self.mean_accepted_length, self.ttft, self.inter_token, self.pipeline_stalls,
-                       self.replays, self.fallbacks, self.queue_depth, self.active_sessions):
+                       self.bubble_fills, self.replays, self.fallbacks, self.queue_depth, self.active_sessions):
             metric.set_default_tags(self.default_tags)
 
     def record_request(self, stats, finish_reason: str, ttft_s: float | None, inter_token_s: float | None) -> None:
@@ -70,7 +72,8 @@ class TandemMetrics:
             self.inter_token.observe(inter_token_s)
 
     def record_router(self, delta: dict[str, int]) -> None:
-        for name, metric in (("pipeline_stalls", self.pipeline_stalls), ("replays", self.replays),
+        for name, metric in (("pipeline_stalls", self.pipeline_stalls), ("bubble_fills", self.bubble_fills),
+                             ("replays", self.replays),
                              ("drafter_fallbacks", self.fallbacks)):
             if delta.get(name):
                 metric.inc(delta[name])

@@ -87,7 +87,8 @@ class RouterDeployment:
 
     def _router_counts(self) -> dict[str, int]:
         m = self.router.metrics
-        return {"pipeline_stalls": m.pipeline_stalls, "replays": m.replays, "drafter_fallbacks": m.drafter_fallbacks}
+        return {"pipeline_stalls": m.pipeline_stalls, "bubble_fills": m.bubble_fills, "replays": m.replays,
+                "drafter_fallbacks": m.drafter_fallbacks}
 
     def _record_router_metrics(self) -> None:
         counts = self._router_counts()

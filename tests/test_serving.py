@@ -331,7 +331,9 @@ def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, refe
 
         # a follower rank dies mid-stream: rank 0's collectives fail, the replica refuses new sessions and
         # fails its health check, Serve replaces it (followers and all), the session is replayed onto it
-        follower = _named_actor("tandem-follower-tp-")
+        killed_name = next(i["name"] for i in ray.util.list_named_actors(all_namespaces=True)
+                           if i["name"].startswith("tandem-follower-tp-") and i["name"].endswith("rank2"))
+        follower = _named_actor(killed_name)
         tp = openai.OpenAI(base_url=server.http + "/tp/v1", api_key=API_KEY, max_retries=0, timeout=300)
         stream = tp.completions.create(model=MODEL, prompt=PROMPTS[1][0], max_tokens=MAX_TOKENS, temperature=0,
                                        stream=True, extra_body={"return_token_ids": True})
@@ -343,6 +345,9 @@ def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, refe
                 ray.kill(follower, no_restart=True)
                 killed = True
         assert killed and ids == _ref(references, prompt_ids, 1)
+        names = {i["name"] for i in ray.util.list_named_actors(all_namespaces=True)}
+        assert killed_name not in names
+        assert any(n.startswith("tandem-follower-tp-") and n.endswith("rank2") for n in names), "not replaced"
     finally:
         serve.delete("tp")
 

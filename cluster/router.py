@@ -51,6 +51,7 @@ class RouterMetrics:
     pipeline_stalls: int = 0  # pipelined rounds sent when the verifier had nothing queued for the session
     bubble_fills: int = 0  # plain steps run while the drafter redrafted after a rejection
     bubble_fill_misses: int = 0  # ... whose token the redrafted first draft did not match (drafts dropped)
+    shared_sequential_rounds: int = 0  # rounds sent sequentially (not pipelined) because the replica was shared
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -181,7 +182,8 @@ class Router:
     def __init__(self, pool, drafter=None, tokenizer=None,
                  eos_token_ids: Sequence[int] = (), num_speculative_tokens: int = 4, pipeline_depth: int = 2,
                  max_context: int = 8192, max_replays: int = 3, balance_pipeline: bool = True,
-                 policy: SpeculationPolicyConfig | None = None, fill_bubbles: bool = True):
+                 policy: SpeculationPolicyConfig | None = None, fill_bubbles: bool = True,
+                 pipeline_max_sessions: int = 1):
         if pipeline_depth < 1:
             raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
         self.pool = StaticVerifierPool(pool) if isinstance(pool, (list, tuple)) else pool
@@ -199,6 +201,10 @@ class Router:
         self.balance_pipeline = balance_pipeline
         # Pipelined mode: after a rejection, run a plain decoding step while the drafter redrafts.
         self.fill_bubbles = fill_bubbles
+        # Rounds are pipelined only while at most this many sessions share the session's verifier replica:
+        # beyond, sessions already overlap each other's drafting and verification, and sequential rounds
+        # (each with its bonus token) commit more per verifier forward.
+        self.pipeline_max_sessions = pipeline_max_sessions
         # γ per session from the cost model; not adaptive unless configured (tests pin γ exactly)
         self.policy = SpeculationPolicy(policy or SpeculationPolicyConfig(adaptive=False),
                                         self.num_speculative_tokens, pipelined=pipeline_depth > 1)
@@ -384,15 +390,14 @@ class Router:
 
     def _choose_gamma(self, state: dict, remaining: int, bonus: bool, verifier_sessions: int) -> int:
         limit = min(state["max_gamma"], remaining - (1 if bonus else 0))
-        if self.pipeline_depth > 1 and self.balance_pipeline and self.cost_ratio:
+        if not bonus and self.balance_pipeline and self.cost_ratio:  # a pipelined round
             limit = min(limit, max(1, round(1 / self.cost_ratio)))
-        return state["policy"].gamma(remaining, limit, self.cost_ratio, verifier_sessions)
+        return state["policy"].gamma(remaining, limit, self.cost_ratio, verifier_sessions, pipelined=not bonus)
 
     def _run(self, session: str, stream: _Stream, committed: list[int], output: list[int],
              params: SamplingParams, state: dict, stats: SpeculationStats,
              timeline: list[RoundTiming] | None) -> str:
         """Drive rounds until a stop; returns the finish reason. Raises grpc.RpcError on a verifier fault."""
-        sequential = self.pipeline_depth == 1
         stops = StopChecker(self.tokenizer, self.eos_token_ids, params)
         epoch, optimistic = 0, 0  # optimistic: drafted tokens in flight beyond the committed ones
         in_flight: deque = deque()  # [round, epoch, num_drafts, stale, timing]
@@ -414,7 +419,9 @@ class Router:
             if cancelled is not None and cancelled.is_set():
                 return "cancelled"
             live = sum(1 for entry in in_flight if not entry[3])
-            while fill is None and live < self.pipeline_depth:
+            depth = self.pipeline_depth if verifier_sessions <= self.pipeline_max_sessions else 1
+            sequential = depth == 1
+            while fill is None and live < depth:
                 remaining = params.max_tokens - len(output) - optimistic
                 if remaining <= 0:
                     break
@@ -459,6 +466,8 @@ class Router:
                 if not sequential and not in_flight and stats.rounds > 0:
                     self.metrics.add(pipeline_stalls=1)  # the verifier had nothing queued for this session
                 send(drafts, probs, bonus, RoundTiming(next(round_ids), t0, t1))
+                if sequential and self.pipeline_depth > 1:
+                    self.metrics.add(shared_sequential_rounds=1)
                 live += 1
                 stats.draft_s += t1 - t0
                 if bonus:

@@ -61,6 +61,7 @@ class ClusterConfig(BaseModel):
     max_verifier_restarts: int = Field(-1, ge=-1, description="Ray restarts of a verifier replica (-1: unlimited).")
     balance_pipeline: bool = Field(True, description="Pipelined mode: cap γ per round at verify time / draft time per token, so neither side idles.")
     fill_bubbles: bool = Field(True, description="Pipelined mode: after a rejection, run a plain decoding step while the drafter redrafts.")
+    pipeline_max_sessions: int = Field(1, ge=1, description="Pipeline a session's rounds only while at most this many sessions share its verifier replica (beyond, sequential rounds with their bonus token commit more per forward).")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
@@ -277,7 +278,8 @@ class TandemCluster:
         self.router = Router(handles, self.drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
                              config.engine.num_speculative_tokens, config.pipeline_depth,
                              max_context=model_config.max_position_embeddings,
-                             balance_pipeline=config.balance_pipeline, fill_bubbles=config.fill_bubbles)
+                             balance_pipeline=config.balance_pipeline, fill_bubbles=config.fill_bubbles,
+                             pipeline_max_sessions=config.pipeline_max_sessions)
         self.tokenizer = tokenizer
 
     def _wait_placed(self, groups, what: str, bundle: dict, count: int = 1) -> None:

@@ -75,6 +75,7 @@ class TandemAppConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target ranks per verifier replica (one STRICT_PACK placement group).")
     balance_pipeline: bool = Field(True, description="Pipelined mode: cap γ at verify time / draft time per token.")
     fill_bubbles: bool = Field(True, description="Pipelined mode: after a rejection, run a plain decoding step while the drafter redrafts.")
+    pipeline_max_sessions: int = Field(1, ge=1, description="Pipeline a session's rounds only while at most this many sessions share its verifier replica.")
     speculation: SpeculationPolicyConfig = Field(default_factory=SpeculationPolicyConfig, description="The draft-length policy (γ per session, plain decoding when it does not pay).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out.")
     max_tokens_limit: int | None = Field(None, ge=1, description="Refuse requests asking for more tokens (None: only the context length limits).")

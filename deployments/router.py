@@ -76,7 +76,8 @@ class RouterDeployment:
                              engine.num_speculative_tokens, self.config.pipeline_depth,
                              max_context=model_config.max_position_embeddings,
                              balance_pipeline=self.config.balance_pipeline, policy=self.config.speculation,
-                             fill_bubbles=self.config.fill_bubbles)
+                             fill_bubbles=self.config.fill_bubbles,
+                             pipeline_max_sessions=self.config.pipeline_max_sessions)
         self.max_context = model_config.max_position_embeddings
         slots = self.config.router.max_ongoing_requests
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="session")

@@ -61,11 +61,12 @@ class SpeculationPolicy:
         self.max_gamma = max_gamma
         self.pipelined = pipelined
 
-    def best_gamma(self, alpha: float, cost_ratio: float) -> tuple[int, float]:
-        """(γ, predicted speedup) maximising E / time over 0..max_gamma."""
+    def best_gamma(self, alpha: float, cost_ratio: float, pipelined: bool | None = None) -> tuple[int, float]:
+        """(γ, predicted speedup) maximising E / time over 0..max_gamma (`pipelined`: this round's mode)."""
+        pipelined = self.pipelined if pipelined is None else pipelined
         best = (0, 1.0)
         for gamma in range(1, self.max_gamma + 1):
-            speedup = predicted_speedup(alpha, gamma, cost_ratio, self.pipelined, self.config.verify_token_cost)
+            speedup = predicted_speedup(alpha, gamma, cost_ratio, pipelined, self.config.verify_token_cost)
             if speedup > best[1]:
                 best = (gamma, speedup)
         return best if best[1] >= self.config.min_speedup else (0, 1.0)
@@ -98,7 +99,7 @@ class SessionPolicy:
         self._trials = (1 - w) * self._trials + w * (num_accepted + rejected)
 
     def gamma(self, remaining: int, limit: int | None = None, cost_ratio: float | None = None,
-              verifier_sessions: int = 0) -> int:
+              verifier_sessions: int = 0, pipelined: bool | None = None) -> int:
         """Drafts for the next round: at most `limit` (default: max_gamma and remaining − 1, leaving
         room for the round's own recovered or bonus token)."""
         config, policy = self.policy.config, self.policy
@@ -111,7 +112,7 @@ class SessionPolicy:
             return 0
         if config.saturation_sessions and verifier_sessions >= config.saturation_sessions:
             return 0
-        gamma, _ = policy.best_gamma(self.alpha, cost_ratio or config.prior_cost_ratio)
+        gamma, _ = policy.best_gamma(self.alpha, cost_ratio or config.prior_cost_ratio, pipelined)
         if gamma == 0:
             self._plain_rounds += 1
             if self._plain_rounds >= config.probe_every:

@@ -76,6 +76,7 @@ def test_pipelined_greedy_equality_and_overlap(pipelined, prompt_ids, references
     metrics = pipelined.router.metrics
     # rejections happened, their bubbles were filled with plain steps, and redrafts went on after them
     assert metrics.bubble_fills > metrics.bubble_fill_misses >= 0 and metrics.stale_rounds > 0
+    assert metrics.shared_sequential_rounds == 0  # one session at a time: always pipelined
 
 
 def test_sequential_greedy_equality_without_overlap(ray_local, prompt_ids, references):
@@ -118,6 +119,7 @@ def test_concurrent_sessions_with_different_stops(pipelined, prompt_ids, referen
             stop = text[8:11] if len(text) > 12 and text[8:11].strip() else None
             jobs.append((ids, SamplingParams(max_tokens=MAX_TOKENS, stop=[stop] if stop else []), ref))
     results: dict = {}
+    shared_before = pipelined.router.metrics.shared_sequential_rounds
 
     def run(i, ids, params):
         results[i] = pipelined.generate(ids, params)
@@ -136,6 +138,8 @@ def test_concurrent_sessions_with_different_stops(pipelined, prompt_ids, referen
         else:
             assert got == expected
     assert {r.sessions for r in pipelined.router.replicas} == {0}
+    # four sessions per replica: their rounds went sequential (bonus tokens) once the sharing was seen
+    assert pipelined.router.metrics.shared_sequential_rounds > shared_before
 
 
 def _generate_and_kill(cluster, ids, kill) -> object:

@@ -166,6 +166,7 @@ class VerifierReplica:
     def __init__(self, name: str, config: ClusterConfig):
         self.name, self.config = name, config
         self.restarts = 0
+        self._closed = False
         self._lock = threading.Lock()
         self._spawn()
 
@@ -199,6 +200,9 @@ class VerifierReplica:
         self._kill()
         self.restarts += 1
         self._spawn()
+        if self._closed:  # shut down while rebuilding
+            self._kill()
+            raise RuntimeError(f"verifier replica {self.name} was shut down")
         try:
             ray.get(self.placement_group.ready(), timeout=self.config.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -209,6 +213,8 @@ class VerifierReplica:
         """Rank 0's gRPC address, waiting while Ray (re)starts it, rebuilding a TP group that lost a rank."""
         deadline = time.time() + timeout_s
         with self._lock:  # one rebuild at a time, however many sessions noticed the failure
+            if self._closed:
+                raise RuntimeError(f"verifier replica {self.name} was shut down")
             if len(self.ranks) > 1:
                 lost = self._group_lost(max(1.0, deadline - time.time()))
                 if lost:
@@ -236,6 +242,7 @@ class VerifierReplica:
         remove_placement_group(self.placement_group)
 
     def kill(self) -> None:
+        self._closed = True  # no rebuild after this, whoever asks
         self._kill()
 
 

@@ -4,7 +4,9 @@ Per session it keeps up to `pipeline_depth` rounds in flight on one bidirectiona
 verifier replica (depth 1 = ordinary sequential speculative decoding, with a bonus token each fully
 accepted round). While round r is verified the drafter drafts round r+1 as if r were accepted.
 On a rejection: bump the epoch, forget in-flight rounds (the verifier answers them `stale`), roll the
-drafter back to the committed tokens plus the recovered token, draft again.
+drafter back to the committed tokens plus the recovered token, draft again; meanwhile the verifier
+runs a plain decoding step (`fill_bubbles`), and the redraft goes on if its first token matches.
+A session whose replica is shared by others sends sequential rounds (`pipeline_max_sessions`).
 
 Faults: a dead drafter switches the session to plain target decoding (same output); a dead verifier
 replica gets the session replayed from its committed tokens onto another (or the restarted) replica.

@@ -263,30 +263,31 @@ class Router:
 
     # -- drafter calls (a dead drafter means plain decoding from here on) ------------------------
 
+    def _drafter_lost(self, state: dict, what: str, session: str, error: Exception) -> None:
+        log.warning("drafter failed during %s of session %s (%s): continuing with plain target decoding",
+                    what, session, type(error).__name__)
+        self.metrics.add(drafter_fallbacks=1)
+        state["drafting"] = False
+
     def _drafter_call(self, state: dict, method: str, *args, wait: bool = False):
+        """Call the drafter; with `wait`, its result, else an ObjectRef for `_drafter_result`."""
         if not state["drafting"]:
             return None
         try:
             ref = getattr(state["drafter"], method).remote(*args)
-            return ray.get(ref, timeout=120) if wait else ref
-        except _DRAFTER_ERRORS + (ray.exceptions.GetTimeoutError,) as e:
-            log.warning("drafter failed during %s of session %s (%s): continuing with plain target decoding",
-                        method, args[0], type(e).__name__)
-            self.metrics.add(drafter_fallbacks=1)
-            state["drafting"] = False
+        except _DRAFTER_ERRORS as e:
+            self._drafter_lost(state, method, args[0], e)
             return None
+        return self._drafter_result(state, args[0], ref, method) if wait else ref
 
-    def _drafter_result(self, state: dict, session: str, ref):
+    def _drafter_result(self, state: dict, session: str, ref, method: str = "propose"):
         """The result of a `_drafter_call(..., wait=False)`; None (and plain decoding) if the drafter died."""
         if ref is None or not state["drafting"]:
             return None
         try:
             return ray.get(ref, timeout=120)
         except _DRAFTER_ERRORS + (ray.exceptions.GetTimeoutError,) as e:
-            log.warning("drafter failed during propose of session %s (%s): continuing with plain target decoding",
-                        session, type(e).__name__)
-            self.metrics.add(drafter_fallbacks=1)
-            state["drafting"] = False
+            self._drafter_lost(state, method, session, e)
             return None
 
     def _acquire_drafter(self, session: str, state: dict) -> None:
@@ -295,9 +296,7 @@ class Router:
         try:
             state["drafter"], state["release_drafter"] = self.drafter.acquire(session)
         except Exception as e:  # no drafter replica could take the session
-            log.warning("no drafter for session %s (%s: %s): plain target decoding", session, type(e).__name__, e)
-            self.metrics.add(drafter_fallbacks=1)
-            state["drafting"] = False
+            self._drafter_lost(state, f"acquire ({e})", session, e)
 
     # -- one request -----------------------------------------------------------------------------
 
@@ -385,6 +384,11 @@ class Router:
         stats.total_s = time.perf_counter() - t_start
         return GenerationResult(output, StopChecker(self.tokenizer, (), params).text(output), finish, stats)
 
+    def _record_draft(self, stats: SpeculationStats, seconds: float, num_drafts: int) -> None:
+        stats.draft_s += seconds
+        if num_drafts:
+            self._draft_token_s = ema(self._draft_token_s, seconds / num_drafts)
+
     def _saturated(self) -> bool:
         """Whether the verifiers were saturated at the last look (speculation policy's threshold)."""
         threshold = self.policy.config.saturation_sessions
@@ -459,8 +463,6 @@ class Router:
                         drafts = proposal["token_ids"]
                         probs = [pb.DraftDistribution(token_ids=i, probs=p) for i, p in proposal["draft_probs"] or []]
                 t1 = time.time()
-                if drafts:
-                    self._draft_token_s = ema(self._draft_token_s, (t1 - t0) / len(drafts))
                 if not drafts:
                     if live:
                         break  # nothing to add: wait for the rounds in flight
@@ -471,7 +473,7 @@ class Router:
                 if sequential and self.pipeline_depth > 1:
                     self.metrics.add(shared_sequential_rounds=1)
                 live += 1
-                stats.draft_s += t1 - t0
+                self._record_draft(stats, t1 - t0, len(drafts))
                 if bonus:
                     break  # the next round starts from this one's bonus token
             result = stream.receive()
@@ -520,9 +522,7 @@ class Router:
                     op.pop("token_ids", None)
                     drafts = drafts[1:1 + params.max_tokens - len(output)]
                     rows = (proposal["draft_probs"] or [])[1:1 + len(drafts)]
-                    self._draft_token_s = ema(self._draft_token_s,
-                                              (proposal["end"] - proposal["start"]) / len(proposal["token_ids"]))
-                    stats.draft_s += proposal["end"] - proposal["start"]
+                    self._record_draft(stats, proposal["end"] - proposal["start"], len(proposal["token_ids"]))
                     state["sync"].append(op)
                     send(drafts, [pb.DraftDistribution(token_ids=i, probs=p) for i, p in rows], False,
                          RoundTiming(next(round_ids), proposal["start"], proposal["end"]))

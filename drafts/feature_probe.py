@@ -28,7 +28,7 @@ from drafts.distill import stdlib_texts, build_corpus, frequent_vocab
 class FeatureDraft(nn.Module):
     def __init__(self, target, vocab):
         super().__init__()
-        from transformers import LlamaConfig, LlamaModel
+        from transformers import LlamaModel
         c = copy.deepcopy(target.config); c.num_hidden_layers = 1
         self.body = LlamaModel(c)
         self.body.layers[0].load_state_dict(target.model.layers[-1].state_dict())
@@ -143,7 +143,6 @@ def main() -> None:
     opt = torch.optim.AdamW(params, lr=LR)
     steps = EPOCHS * (n_windows // B)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=steps, pct_start=0.05)
-    head_full = draft.head
     t0 = time.time(); step = 0
     for ep in range(EPOCHS):
         order = torch.randperm(n_windows)

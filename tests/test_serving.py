@@ -282,6 +282,21 @@ def _named_actor(prefix: str):
     raise AssertionError(f"no actor named {prefix}*")
 
 
+def _stream_and_kill(client, prompt: str, max_tokens: int, kill) -> list[int]:
+    """Stream a greedy completion; call `kill` once the first tokens arrived; return all token ids."""
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True, extra_body={"return_token_ids": True})
+    ids, killed = [], False
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids += choice.model_extra.get("token_ids") or []
+        if ids and not killed:
+            kill()
+            killed = True
+    assert killed
+    return ids
+
+
 @pytest.fixture(scope="module")
 def long_reference(target_fp32, tokenizer):
     ids = encode_prompt(tokenizer, PROMPTS[0][0], False)
@@ -294,16 +309,9 @@ def test_killed_worker_mid_stream_output_unchanged(server, client, long_referenc
     session is replayed from the router's committed tokens onto the replica Serve starts instead):
     the stream completes with the reference tokens either way."""
     actor = _named_actor("tandem-drafter-tandem-" if victim == "drafter" else "SERVE_REPLICA::tandem#VerifierPool")
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=96, temperature=0,
-                                       stream=True, extra_body={"return_token_ids": True})
-    ids, killed = [], False
-    for chunk in stream:
-        for choice in chunk.choices:
-            ids += choice.model_extra.get("token_ids") or []
-        if ids and not killed:
-            ray.kill(actor, no_restart=victim == "verifier")  # Serve replaces the replica; Ray restarts the drafter
-            killed = True
-    assert killed and ids == long_reference
+    # Serve replaces the verifier replica; Ray restarts the drafter
+    ids = _stream_and_kill(client, PROMPTS[0][0], 96, lambda: ray.kill(actor, no_restart=victim == "verifier"))
+    assert ids == long_reference
     # and the server serves new requests afterwards
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=8, temperature=0,
                                   extra_body={"return_token_ids": True})
@@ -335,16 +343,8 @@ def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, refe
                            if i["name"].startswith("tandem-follower-tp-") and i["name"].endswith("rank2"))
         follower = _named_actor(killed_name)
         tp = openai.OpenAI(base_url=server.http + "/tp/v1", api_key=API_KEY, max_retries=0, timeout=300)
-        stream = tp.completions.create(model=MODEL, prompt=PROMPTS[1][0], max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=True, extra_body={"return_token_ids": True})
-        ids, killed = [], False
-        for chunk in stream:
-            for choice in chunk.choices:
-                ids += choice.model_extra.get("token_ids") or []
-            if ids and not killed:
-                ray.kill(follower, no_restart=True)
-                killed = True
-        assert killed and ids == _ref(references, prompt_ids, 1)
+        ids = _stream_and_kill(tp, PROMPTS[1][0], MAX_TOKENS, lambda: ray.kill(follower, no_restart=True))
+        assert ids == _ref(references, prompt_ids, 1)
         names = {i["name"] for i in ray.util.list_named_actors(all_namespaces=True)}
         assert killed_name not in names
         assert any(n.startswith("tandem-follower-tp-") and n.endswith("rank2") for n in names), "not replaced"

@@ -12,6 +12,7 @@ from cluster import models
 from cluster.errors import ConfigError, validation_message
 from cluster.runner import TorchModelRunner
 from cluster.speculate import SpeculativeDecoder
+from cluster.transport import NetworkConfig
 from drafts.draft_model import DraftModelProposer, quantized_copy
 from drafts.small_draft import is_tandem_draft, load_draft
 from drafts.ngram import NGramProposer
@@ -36,6 +37,7 @@ class EngineConfig(BaseModel):
     threads: int | None = Field(1, ge=1, description="torch intra-op threads for this process (None leaves torch's default).")
     cache_dir: str | None = Field(None, description="Model cache root (default $TANDEM_CACHE_DIR or ~/.cache/tandem).")
     max_ngram: int = Field(3, ge=1, le=16, description="Longest n-gram the prompt-lookup proposer matches.")
+    network: NetworkConfig = Field(default_factory=NetworkConfig, description="The verifier's internal gRPC service: the address it binds and advertises ('node' or 'loopback') and optional TLS; calls always need the cluster secret.")
 
     @classmethod
     def build(cls, **kwargs) -> "EngineConfig":

@@ -34,6 +34,7 @@ from cluster.errors import InvalidRequestError, TandemError
 from cluster.sampling import SamplingParams
 from cluster.speculate import GenerationResult, SpeculationStats, ema, validate_request
 from cluster.stopping import StopChecker
+from cluster.transport import Endpoint, open_channel
 from cluster.verifier_server import params_to_pb
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from protos import pb, rpc
@@ -74,28 +75,35 @@ class RoundTiming:
 
 
 class VerifierReplicaHandle:
-    """A replica as the router sees it: a name, an address and a way to find the address again."""
+    """A replica as the router sees it: a name, an endpoint and a way to find the endpoint again.
+
+    Its channel carries the cluster secret on every call (`cluster.transport.open_channel`), over TLS
+    when the replica's endpoint names a root certificate."""
 
     def __init__(self, name: str, resolve):
         self.name, self._resolve = name, resolve
-        self.address = resolve()
+        self.endpoint: Endpoint = resolve()
         self.sessions = 0
         self.healthy = True
-        self._channel = grpc.insecure_channel(self.address)
+        self._channel = open_channel(self.endpoint)
         self.stub = rpc.VerifierStub(self._channel)
 
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
     def refresh(self, timeout_s: float = 300.0) -> bool:
-        """Ask for the address again (a restarted replica binds a new port)."""
+        """Ask for the endpoint again (a restarted replica binds a new port)."""
         try:
-            address = self._resolve(timeout_s)
+            endpoint = self._resolve(timeout_s)
+            channel = open_channel(endpoint) if endpoint != self.endpoint else None
         except Exception as e:
             log.warning("verifier replica %s is not back: %s", self.name, e)
             return False
-        if address != self.address:
+        if channel is not None:
             self._channel.close()
-            self.address = address
-            self._channel = grpc.insecure_channel(address)
-            self.stub = rpc.VerifierStub(self._channel)
+            self.endpoint, self._channel = endpoint, channel
+            self.stub = rpc.VerifierStub(channel)
         self.healthy = True
         return True
 

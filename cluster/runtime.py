@@ -1,8 +1,9 @@
 """Start the distributed runtime on Ray: a drafter actor, a pool of verifier replicas, a router.
 
 Each verifier replica is one placement group of `tensor_parallel_size` bundles (STRICT_PACK), one
-actor per rank; rank 0 serves the `Verifier` gRPC service on 127.0.0.1 and reports its port.
-On one machine everything binds loopback only.
+actor per rank; rank 0 serves the `Verifier` gRPC service on its node's address and reports its
+endpoint (`cluster.transport`: address, TLS root, never the secret). On one machine everything
+binds loopback only: `init_local_ray` starts Ray on 127.0.0.1, so that is every node's address.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine import EngineConfig
 from cluster.errors import ConfigError, validation_message
+from cluster.transport import LOOPBACK, Endpoint, advertised_endpoint, bind_host
 
 log = logging.getLogger(__name__)
-
-LOOPBACK = "127.0.0.1"
 
 
 class PlacementConfig(BaseModel):
@@ -115,6 +115,8 @@ class VerifierRank:
         from cluster.runner import TorchModelRunner
 
         config = EngineConfig(**engine_config)
+        if rank == 0 and config.network.tls is not None:  # unreadable certificates fail before the model loads
+            config.network.tls.server_credentials()
         if config.threads:
             torch.set_num_threads(config.threads)
         self.replica, self.rank, self.world_size = replica, rank, world_size
@@ -126,7 +128,7 @@ class VerifierRank:
         else:
             model = models.load_causal_lm(path, config.dtype, config.device)
         runner = TorchModelRunner(model, name=f"{replica}/rank{rank}")
-        self.port = None
+        self.port, self._endpoint = None, None
         if world_size > 1:
             from cluster.tensor_parallel import TPLeaderRunner, follow
 
@@ -138,10 +140,13 @@ class VerifierRank:
         from cluster.verifier_server import serve
 
         self.engine = VerifierEngine(runner)
-        self.server, self.port = serve(self.engine, replica, LOOPBACK, 0, world_size)
+        host = bind_host(config.network)
+        self.server, self.port = serve(self.engine, replica, host, 0, world_size, network=config.network)
+        self._endpoint = advertised_endpoint(replica, host, self.port, config.network)
 
-    def address(self) -> str | None:
-        return f"{LOOPBACK}:{self.port}" if self.port else None
+    def endpoint(self) -> Endpoint | None:
+        """Where and how routers reach this replica (rank 0 only)."""
+        return self._endpoint
 
     def broken(self) -> str | None:
         """Why this rank's tensor-parallel group cannot serve any more (None while it can)."""
@@ -209,8 +214,8 @@ class VerifierReplica:
             raise ConfigError(f"verifier replica {self.name}: cannot place the rebuilt group in "
                               f"{self.config.placement_timeout_s:.0f}s") from None
 
-    def resolve(self, timeout_s: float = 300.0) -> str:
-        """Rank 0's gRPC address, waiting while Ray (re)starts it, rebuilding a TP group that lost a rank."""
+    def resolve(self, timeout_s: float = 300.0) -> Endpoint:
+        """Rank 0's gRPC endpoint, waiting while Ray (re)starts it, rebuilding a TP group that lost a rank."""
         deadline = time.time() + timeout_s
         with self._lock:  # one rebuild at a time, however many sessions noticed the failure
             if self._closed:
@@ -223,15 +228,15 @@ class VerifierReplica:
                     self.restart()
             while True:
                 try:
-                    address = ray.get(self.ranks[0].address.remote(), timeout=max(1.0, deadline - time.time()))
+                    endpoint = ray.get(self.ranks[0].endpoint.remote(), timeout=max(1.0, deadline - time.time()))
                     break
                 except ray.exceptions.ActorUnavailableError:  # restarting
                     if time.time() > deadline:
                         raise
                     time.sleep(0.25)
-        if not address:
-            raise RuntimeError(f"verifier replica {self.name} has no address")
-        return address
+        if endpoint is None:
+            raise RuntimeError(f"verifier replica {self.name} has no endpoint")
+        return endpoint
 
     def _kill(self) -> None:
         for actor in self.ranks:
@@ -280,7 +285,11 @@ class TandemCluster:
                           config.verifier_rank.bundle(), config.tensor_parallel_size)
         if self.drafter is not None:
             ray.get(self.drafter.ready.remote(), timeout=300)
-        handles = [VerifierReplicaHandle(r.name, r.resolve) for r in self.replicas]
+        try:
+            handles = [VerifierReplicaHandle(r.name, r.resolve) for r in self.replicas]
+        except Exception:  # e.g. a verifier that could not start (unreadable certificates)
+            self.shutdown()
+            raise
         eos = model_config.eos_token_id
         self.router = Router(handles, self.drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
                              config.engine.num_speculative_tokens, config.pipeline_depth,

@@ -2,7 +2,8 @@
 
 One bidirectional `Verify` stream per session carries its rounds in order; every request gets
 exactly one result. Bad input (unknown session, epoch ahead of the verifier, malformed proposal)
-aborts that stream with INVALID_ARGUMENT; the server keeps serving every other stream.
+aborts that stream with INVALID_ARGUMENT; the server keeps serving every other stream. A call
+without the cluster secret is refused with UNAUTHENTICATED (`cluster.transport`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from cluster.errors import InvalidRequestError
 from cluster.sampling import SamplingParams
+from cluster.transport import LOOPBACK, NetworkConfig, SecretCheck, add_port, cluster_secret
 from cluster.verifier import Round, RoundResult, VerifierEngine
 from protos import pb, rpc
 
@@ -116,14 +118,19 @@ class VerifierServicer(rpc.VerifierServicer):
             yield result_to_pb(item, self.engine.num_sessions)
 
 
-def serve(engine: VerifierEngine, replica: str, host: str = "127.0.0.1", port: int = 0,
-          tensor_parallel_size: int = 1, max_workers: int = 128) -> tuple[grpc.Server, int]:
-    """Start the gRPC server and the engine thread; returns (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="verifier"))
+def serve(engine: VerifierEngine, replica: str, host: str = LOOPBACK, port: int = 0,
+          tensor_parallel_size: int = 1, max_workers: int = 128, network: NetworkConfig | None = None,
+          secret: str | None = None) -> tuple[grpc.Server, int]:
+    """Start the gRPC server and the engine thread; returns (server, bound port).
+
+    Every call must carry the cluster secret (`cluster.transport`; read from Ray when not given);
+    `network.tls` puts the service on TLS."""
+    network = network or NetworkConfig()
+    secret = secret if secret is not None else cluster_secret()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="verifier"),
+                         interceptors=[SecretCheck(secret)])
     rpc.add_VerifierServicer_to_server(VerifierServicer(engine, replica, tensor_parallel_size), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind the verifier to {host}:{port}")
+    bound = add_port(server, host, port, network)
     server.start()
     threading.Thread(target=engine.run_forever, daemon=True, name="verifier-engine").start()
     return server, bound

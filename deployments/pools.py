@@ -1,12 +1,14 @@
 """The verifier pool and the drafter pool as Serve deployments, and the routers' view of them.
 
 A session holds a *lease* on one replica of each: a streaming call that yields where to reach the
-replica (the verifier's gRPC address; the drafter actor's handle) and then stays open until the
-session ends. Serve therefore counts open sessions as ongoing requests: its power-of-two-choices
-routing places a new session on the less loaded of two replicas, its queue holds sessions beyond
-`max_ongoing_requests`, and autoscaling on `target_ongoing_requests` scales each pool on sessions
-per replica (plus queued ones). Drafting and verifying then go straight to the replica (gRPC stream,
-actor calls), not through Serve's request path.
+replica (the verifier's `cluster.transport.Endpoint`: its node's address, plus its TLS root when TLS
+is configured; the drafter actor's handle) and then stays open until the session ends. Serve
+therefore counts open sessions as ongoing requests: its power-of-two-choices routing places a new
+session on the less loaded of two replicas, its queue holds sessions beyond `max_ongoing_requests`,
+and autoscaling on `target_ongoing_requests` scales each pool on sessions per replica (plus queued
+ones). Drafting and verifying then go straight to the replica (gRPC stream, actor calls), not
+through Serve's request path; verifier calls carry the cluster secret, which routers read from Ray
+(never from the lease).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.errors import TandemError
 from cluster.router import VerifierLease, VerifierReplicaHandle
 from cluster.runtime import VerifierRank, free_port
+from cluster.transport import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +34,8 @@ async def _hold(cancelled: asyncio.Event) -> None:
 
 
 class VerifierPool:
-    """One verifier replica: rank 0 runs in this Serve replica (and serves gRPC on 127.0.0.1); ranks
-    1..N−1 are actors in the replica's own STRICT_PACK placement group."""
+    """One verifier replica: rank 0 runs in this Serve replica (and serves gRPC on its node's address,
+    `engine.network`); ranks 1..N−1 are actors in the replica's own STRICT_PACK placement group."""
 
     def __init__(self, engine_config: dict, tensor_parallel_size: int = 1, rank_placement: dict | None = None):
         context = serve.get_replica_context()
@@ -52,14 +55,15 @@ class VerifierPool:
                 ).remote(engine_config, name, rank, tensor_parallel_size, port))
         self.rank0 = VerifierRank(engine_config, name, 0, tensor_parallel_size, port)
         self.name = name
-        log.info("verifier replica %s serving on %s (tensor_parallel_size=%d)", name, self.rank0.address(),
-                 tensor_parallel_size)
+        endpoint = self.rank0.endpoint()
+        log.info("verifier replica %s serving on %s%s (tensor_parallel_size=%d)", name, endpoint.address,
+                 " over TLS" if endpoint.root_certificates else "", tensor_parallel_size)
 
     async def lease(self, session: str):
-        """Yields this replica's gRPC address, then holds the session until the caller cancels."""
+        """Yields this replica's gRPC endpoint, then holds the session until the caller cancels."""
         if self.rank0.broken():  # until Serve's health check replaces this replica
             raise RuntimeError(f"verifier replica {self.name} is being replaced: {self.rank0.broken()}")
-        yield {"address": self.rank0.address(), "name": self.name}
+        yield self.rank0.endpoint()
         await _hold(asyncio.Event())
 
     def sessions(self) -> int:
@@ -119,11 +123,11 @@ class _Lease:
 
 
 class ServeVerifierPool:
-    """`acquire` for the router: a lease on the replica Serve picks; gRPC channels cached by address."""
+    """`acquire` for the router: a lease on the replica Serve picks; gRPC channels cached by endpoint."""
 
     def __init__(self, handle):
         self.handle = handle
-        self._replicas: dict[str, VerifierReplicaHandle] = {}
+        self._replicas: dict[Endpoint, VerifierReplicaHandle] = {}
         self._lock = threading.Lock()
 
     def acquire(self, session: str) -> VerifierLease:
@@ -131,11 +135,11 @@ class ServeVerifierPool:
             lease = _Lease(self.handle, session)
         except Exception as e:  # e.g. a replica being replaced: the router waits and asks again
             raise TandemError(f"no verifier replica took session {session}: {type(e).__name__}: {e}") from e
-        address, name = lease.value["address"], lease.value["name"]
+        endpoint: Endpoint = lease.value
         with self._lock:
-            replica = self._replicas.get(address)
+            replica = self._replicas.get(endpoint)
             if replica is None or not replica.healthy:
-                replica = self._replicas[address] = VerifierReplicaHandle(name, lambda *_: address)
+                replica = self._replicas[endpoint] = VerifierReplicaHandle(endpoint.name, lambda *_: endpoint)
         return VerifierLease(replica, release=lease.release)
 
 

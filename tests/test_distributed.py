@@ -14,7 +14,7 @@ from cluster.engine import EngineConfig
 from cluster.errors import ConfigError
 from cluster.runtime import ClusterConfig, PlacementConfig, TandemCluster, init_local_ray
 from cluster.sampling import SamplingParams
-from protos import pb, rpc
+from protos import pb
 
 MAX_TOKENS = 32
 PROMPTS = [
@@ -236,7 +236,7 @@ def test_tensor_parallel_size_must_divide_kv_heads(ray_local):
 def test_bad_internal_requests_get_clear_status(pipelined, prompt_ids):
     replica = pipelined.router.replicas[0]
     assert replica.refresh()  # it may have been killed and restarted by the fault test
-    stub = rpc.VerifierStub(grpc.insecure_channel(replica.address))
+    stub = replica.stub  # carries the cluster secret (tests/test_auth.py: refused without it)
 
     def verify(*requests):
         return list(stub.Verify(iter(requests), timeout=60))

@@ -314,16 +314,28 @@ class Router:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  timeline: list[RoundTiming] | None = None, on_tokens=None,
                  cancelled: threading.Event | None = None, max_speculative_tokens: int | None = None,
+                 output_prefix: Sequence[int] = (), stats: SpeculationStats | None = None,
                  ) -> GenerationResult:
         """Run one request to its end. `on_tokens(new_output_tokens)` is called as tokens are committed;
         setting `cancelled` ends the request early (finish reason "cancelled") and frees its state;
-        `max_speculative_tokens` caps γ for this request (0 = plain decoding)."""
+        `max_speculative_tokens` caps γ for this request (0 = plain decoding).
+
+        Resuming a session another router carried (failover): `output_prefix` is the output it had
+        already committed (the session goes on from prompt + prefix, and stop strings, EOS and
+        `max_tokens` see the whole output), `stats` the speculation figures so far (counted on)."""
         prompt_ids = list(prompt_ids)
         self.validate(prompt_ids, params)
         params = params.with_seed()
         session = f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         self.metrics.add(sessions=1)
-        stats = SpeculationStats(num_prompt_tokens=len(prompt_ids))
+        if stats is None:
+            stats = SpeculationStats(num_prompt_tokens=len(prompt_ids))
+        if output_prefix:  # a resumed session whose router died after its last token, before saying so
+            done: list[int] = []
+            finish = StopChecker(self.tokenizer, self.eos_token_ids, params).commit(done, list(output_prefix))
+            if finish:
+                stats.num_generated_tokens = len(done)
+                return GenerationResult(done, StopChecker(self.tokenizer, (), params).text(done), finish, stats)
         t_start = time.perf_counter()
         max_gamma = self.num_speculative_tokens if max_speculative_tokens is None else \
             min(self.num_speculative_tokens, max_speculative_tokens)
@@ -332,8 +344,8 @@ class Router:
                  "release_drafter": lambda: None, "max_gamma": max_gamma, "policy": self.policy.session(),
                  "on_tokens": on_tokens, "cancelled": cancelled, "drafter_started": False,
                  "start_drafter": None}
-        committed = list(prompt_ids)
-        output: list[int] = []
+        output: list[int] = list(output_prefix)
+        committed = prompt_ids + output
         stream = None
 
         def start_drafter(tokens: list[int]) -> None:
@@ -344,7 +356,7 @@ class Router:
         state["start_drafter"] = start_drafter
         drafter_started = None
         if state["drafting"] and not self._saturated():  # the draft prefill overlaps the target's
-            drafter_started = self._setup.submit(start_drafter, prompt_ids)
+            drafter_started = self._setup.submit(start_drafter, list(committed))
         # else the drafter joins when the policy first asks for drafts (never, while verifiers are saturated)
         try:
             stream = self._open(session, committed, params, attempts=1 + self.max_replays)

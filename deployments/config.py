@@ -56,6 +56,15 @@ class DeploymentSpec(BaseModel):
         return {"num_replicas": self.num_replicas}
 
 
+class FailoverConfig(BaseModel):
+    """What the ingress does when the router replica carrying a stream dies (README: "What survives what")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_resumes: int = Field(3, ge=0, le=100, description="Times one request is resumed on another router replica before it ends with an error (0: never).")
+    resume_delay_s: float = Field(0.5, ge=0, le=60, description="Wait before each resume (Serve notices the dead replica and routes elsewhere or starts a new one).")
+
+
 def _default_verifier() -> DeploymentSpec:
     return DeploymentSpec(placement=PlacementConfig(num_cpus=1.0), max_ongoing_requests=32)
 
@@ -80,6 +89,7 @@ class TandemAppConfig(BaseModel):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out.")
     max_tokens_limit: int | None = Field(None, ge=1, description="Refuse requests asking for more tokens (None: only the context length limits).")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty: no authentication.")
+    failover: FailoverConfig = Field(default_factory=FailoverConfig, description="Resuming streams whose router replica died.")
     ingress: DeploymentSpec = Field(default_factory=DeploymentSpec, description="The HTTP / gRPC ingress (tokenizer, validation, SSE).")
     router: DeploymentSpec = Field(default_factory=DeploymentSpec, description="Routers: drive sessions, own committed tokens.")
     drafter: DeploymentSpec = Field(default_factory=_default_drafter, description="Drafters: the draft model on a cheap accelerator.")

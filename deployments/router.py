@@ -19,7 +19,9 @@ from cluster import models
 from cluster.errors import InvalidRequestError, TandemError
 from cluster.router import Router
 from cluster.sampling import SamplingParams
+from cluster.speculate import SpeculationStats
 from deployments.config import TandemAppConfig
+from deployments.failover import SessionProgress
 from deployments.metrics import TandemMetrics
 from deployments.pools import ServeDrafterPool, ServeVerifierPool
 
@@ -30,11 +32,11 @@ class IncrementalText:
     """Text deltas of a growing output that never take back what they sent: an incomplete UTF-8
     character and anything that may still turn into a stop string are held back until settled."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], sent: str = ""):
         self.tokenizer = tokenizer
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.stop = stop
-        self.sent = ""
+        self.sent = sent
 
     def _text(self, token_ids: list[int]) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -98,9 +100,11 @@ class RouterDeployment:
         self.metrics.queue_depth.set(self._waiting)
         self.metrics.active_sessions.set(self._active)
 
-    async def generate(self, prompt_ids: list[int], params: dict, max_speculative_tokens: int | None = None):
-        """Yields {"token_ids", "text"} chunks, then {"finish_reason", "stats", ...}; a refused or
-        failed request yields one {"error": {"message", "type"}} instead of raising."""
+    async def generate(self, prompt_ids: list[int], params: dict, max_speculative_tokens: int | None = None,
+                       resume: SessionProgress | None = None):
+        """Yields {"token_ids", "text", "stats"} chunks, then {"finish_reason", "stats", ...}; a refused or
+        failed request yields one {"error": {"message", "type"}} instead of raising. `resume`: what the
+        client was sent of this session by a router replica that died (the session goes on from there)."""
         try:
             sampling = SamplingParams.build(**params)
             self.router.validate(prompt_ids, sampling)
@@ -113,18 +117,21 @@ class RouterDeployment:
         cancelled = threading.Event()
         t_start = time.perf_counter()
         first_token_s: list[float] = []
+        resume = resume or SessionProgress()
+        stats = SpeculationStats(**resume.stats) if resume.stats else SpeculationStats(num_prompt_tokens=len(prompt_ids))
 
         def on_tokens(tokens: list[int]) -> None:
             if not first_token_s:
                 first_token_s.append(time.perf_counter() - t_start)
-            loop.call_soon_threadsafe(queue.put_nowait, ("tokens", tokens))
+            loop.call_soon_threadsafe(queue.put_nowait, ("tokens", (tokens, asdict(stats))))
 
         def run() -> None:
             self._waiting -= 1
             self._active += 1
             try:
                 result = self.router.generate(prompt_ids, sampling, on_tokens=on_tokens, cancelled=cancelled,
-                                              max_speculative_tokens=max_speculative_tokens)
+                                              max_speculative_tokens=max_speculative_tokens,
+                                              output_prefix=resume.token_ids, stats=stats)
                 loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
             except Exception as e:  # reported to the caller as data; logged here
                 log.exception("request failed")
@@ -134,14 +141,15 @@ class RouterDeployment:
 
         self._waiting += 1
         self.executor.submit(run)
-        text = IncrementalText(self.tokenizer, sampling.stop)
-        output: list[int] = []
+        text = IncrementalText(self.tokenizer, sampling.stop, sent=resume.text)
+        output: list[int] = list(resume.token_ids)
         try:
             while True:
                 kind, item = await queue.get()
                 if kind == "tokens":
-                    output.extend(item)
-                    yield {"token_ids": item, "text": text.update(output)}
+                    tokens, snapshot = item
+                    output.extend(tokens)
+                    yield {"token_ids": tokens, "text": text.update(output), "stats": snapshot}
                 elif kind == "done":
                     stats = item.stats
                     decode_s = stats.total_s - (first_token_s[0] if first_token_s else stats.total_s)

@@ -1,0 +1,82 @@
+"""Router failover: a client's stream outlives the router replica that carried it.
+
+The router owns each session's committed tokens, so its death would lose every session it carries.
+Nothing the session needs is lost with it, though: the ingress still holds the request (prompt,
+sampling parameters with a concrete seed; sampling is keyed by position, so a resumed session
+draws the same numbers) and everything it has already sent (token ids, text, speculation figures).
+`resumable_stream` re-submits the session to a live router replica as that prefix (Serve starts a
+replacement when none is left) and continues the same stream: no text repeated or missing, stop
+strings seen across the resume point, the same final `usage`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import ray.exceptions
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.util import metrics
+
+from cluster.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# What a call to a router replica raises when the replica (not the request) failed.
+ROUTER_DEATHS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError,
+                 DeploymentUnavailableError)
+
+
+@dataclass
+class SessionProgress:
+    """What the client has been sent of one session: the router's starting point on a resume."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stats: dict | None = None  # the speculation figures so far (SpeculationStats fields)
+
+    def add(self, chunk: dict) -> None:
+        self.token_ids += chunk["token_ids"]
+        self.text += chunk["text"]
+        self.stats = chunk.get("stats", self.stats)
+
+
+class FailoverMetrics:
+    def __init__(self, model_id: str):
+        self.failovers = metrics.Counter("tandem_router_failovers",
+                                         "Sessions resumed on another router replica after theirs died.", ("model",))
+        self.failovers.set_default_tags({"model": model_id})
+
+
+async def resumable_stream(router, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None,
+                           max_resumes: int, resume_delay_s: float, failover_metrics: FailoverMetrics | None = None):
+    """The router's chunks for one request, resumed on another router replica when the one carrying it
+    dies (at most `max_resumes` times; then one {"error": ...} chunk of type "service_unavailable").
+    Cancelled (its router session with it) when the caller goes away."""
+    params = params.with_seed()  # the same seed on every attempt
+    progress = SessionProgress()
+    attempt = 0
+    while True:
+        stream = router.options(stream=True).generate.remote(
+            prompt_ids, params.model_dump(), max_speculative_tokens, progress if attempt else None)
+        try:
+            async for chunk in stream:
+                if "error" not in chunk and "finish_reason" not in chunk:
+                    progress.add(chunk)
+                yield chunk
+            return
+        except ROUTER_DEATHS as e:
+            attempt += 1
+            if attempt > max_resumes:
+                log.error("request gave up after %d router failures; last: %s", attempt, e)
+                yield {"error": {"message": f"the router carrying this request failed {attempt} times "
+                                            f"(last: {type(e).__name__}); try again", "type": "service_unavailable"}}
+                return
+            log.warning("router replica died mid-session (%s) after %d tokens: resuming on another replica "
+                        "(%d of %d)", type(e).__name__, len(progress.token_ids), attempt, max_resumes)
+            if failover_metrics is not None:
+                failover_metrics.failovers.inc()
+            await asyncio.sleep(resume_delay_s)
+        finally:
+            stream.cancel()

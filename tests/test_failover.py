@@ -1,0 +1,214 @@
+"""Router failover through the real Serve application: the router replica carrying streams is killed
+(SIGKILL through Ray) mid-stream; every stream goes on from what it had sent, on the replica Serve
+starts instead, with the reference tokens (fp32, so exact), nothing repeated, the same usage."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+import ray
+
+from cluster.runtime import free_port, init_local_ray
+from deployments.failover import SessionProgress
+from deployments.serving import DEFAULT_CONFIG, load_config, start
+from protos import pb, rpc
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 48
+PROMPTS = [
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
+    ("Once upon a time, in a small village by the sea,", False),
+    ("What is the capital of France?", True),
+    ("Write a short poem about the moon.", True),
+    ("def is_prime(n):\n", False),
+    ("Explain what a hash table is.", True),
+    ("import os\n\ndef list_files(path):\n", False),
+]
+MAX_RESUMES = 2
+
+
+@pytest.fixture(scope="module")
+def server():
+    init_local_ray(num_cpus=16)
+    config = load_config(DEFAULT_CONFIG, overrides={
+        "engine": {"dtype": "float32", "proposer": "draft", "num_speculative_tokens": 3, "threads": 1},
+        "failover": {"max_resumes": MAX_RESUMES, "resume_delay_s": 0.2},
+    })
+    endpoints = start(config, http_port=free_port(), grpc_port=free_port())
+    yield endpoints
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _router_replica():
+    """The live router replica actor (Serve names replicas SERVE_REPLICA::app#Deployment#id)."""
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        if info["name"].startswith("SERVE_REPLICA::tandem#Router"):
+            try:
+                return info["name"], ray.get_actor(info["name"], namespace=info["namespace"])
+            except ValueError:  # listed but already dead
+                continue
+    return None, None
+
+
+def _kill_router() -> str:
+    name, actor = _router_replica()
+    assert actor is not None, "no router replica"
+    ray.kill(actor, no_restart=True)
+    return name
+
+
+def _stream(client, prompt: str, chat: bool, on_chunk=None, **params) -> tuple[list[int], str, object]:
+    """A streamed request's token ids, text and final usage; `on_chunk(ids so far)` after each chunk."""
+    extra = {"return_token_ids": True, **params.pop("extra_body", {})}
+    common = dict(model=MODEL, stream=True, stream_options={"include_usage": True}, extra_body=extra, **params)
+    if chat:
+        stream = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+    else:
+        stream = client.completions.create(prompt=prompt, **common)
+    ids, text, usage = [], "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids += choice.model_extra.get("token_ids") or []
+            text += (choice.delta.content or "") if chat else choice.text
+        usage = chunk.usage or usage
+        if on_chunk is not None:
+            on_chunk(ids)
+    return ids, text, usage
+
+
+def test_eight_streams_survive_a_router_kill(server, client, tokenizer, prompt_ids, references):
+    """8 concurrent greedy streams; the router replica is killed once every stream has sent tokens."""
+    started = [threading.Event() for _ in PROMPTS]
+    before = [0] * len(PROMPTS)
+
+    def one(i: int):
+        def seen(ids):
+            if ids and not started[i].is_set():
+                before[i] = len(ids)
+                started[i].set()
+        return _stream(client, PROMPTS[i][0], PROMPTS[i][1], on_chunk=seen, max_tokens=MAX_TOKENS, temperature=0)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(one, i) for i in range(len(PROMPTS))]
+        for event in started:
+            assert event.wait(300), "a stream sent nothing"
+        killed = _kill_router()
+        results = [f.result(timeout=600) for f in futures]
+    assert _router_replica()[0] != killed  # Serve started another replica, which finished the streams
+    for i, (ids, text, usage) in enumerate(results):
+        ref = references[tuple(prompt_ids[i])]
+        assert ids == ref, f"stream {i} differs from transformers' greedy output"
+        assert text == tokenizer.decode(ref, skip_special_tokens=True), f"stream {i}: text repeated or missing"
+        assert usage.completion_tokens == len(ref) and usage.prompt_tokens == len(prompt_ids[i])
+    assert any(before[i] < len(results[i][0]) for i in range(len(PROMPTS))), "the kill came after every stream ended"
+
+
+def test_seeded_sampled_stream_resumed_equals_uninterrupted(server, client):
+    """Sampling is keyed by (seed, position): the resumed session draws the same numbers. Plain decoding
+    (num_speculative_tokens 0) makes the whole schedule deterministic; with drafts, which positions are
+    drafted depends on timing, so equal seeds give equal outputs only in distribution there."""
+    params = dict(max_tokens=40, temperature=0.9, top_p=0.95, seed=1234, extra_body={"num_speculative_tokens": 0})
+    uninterrupted, _, _ = _stream(client, PROMPTS[4][0], True, **dict(params, extra_body=dict(params["extra_body"])))
+    killed = []
+
+    def kill_once(ids):
+        if len(ids) >= 5 and not killed:
+            killed.append(_kill_router())
+
+    resumed, _, usage = _stream(client, PROMPTS[4][0], True, on_chunk=kill_once, **params)
+    assert killed and len(resumed) == 40
+    assert resumed == uninterrupted
+    assert usage.completion_tokens == 40
+
+
+def test_stop_string_across_the_resume_point(server, tokenizer, prompt_ids, references):
+    """A resumed session whose prefix ends inside a stop string: the router sees the whole output."""
+    from ray import serve
+
+    ref = references[tuple(prompt_ids[0])]
+    full = tokenizer.decode(ref, skip_special_tokens=True)
+    # a stop string made of the end of token k-1's text and the start of token k's
+    k = next(k for k in range(8, len(ref)) if len(tokenizer.decode(ref[k - 1:k]).strip()) >= 2
+             and len(tokenizer.decode(ref[k:k + 1]).strip()) >= 2)
+    head, tail = tokenizer.decode(ref[:k], skip_special_tokens=True), tokenizer.decode(ref[:k + 1], skip_special_tokens=True)
+    stop = head[-2:] + tail[len(head):len(head) + 2]
+    assert stop in full
+    cut = full.index(stop)
+    assert cut < len(head)  # the stop string starts before the resume point
+    sent_text = full[:cut]  # what the ingress had streamed: the text before the pending stop string
+    router = serve.get_deployment_handle("Router", "tandem")
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "stop": [stop], "seed": 7}
+    chunks = list(router.options(stream=True).generate.remote(
+        prompt_ids[0], params, None, SessionProgress(token_ids=ref[:k], text=sent_text)))
+    final = chunks[-1]
+    assert final["finish_reason"] == "stop"
+    assert sent_text + "".join(c["text"] for c in chunks) == full[:cut]
+    assert sum(len(c["token_ids"]) for c in chunks) <= 1  # it stopped on the next token at the latest
+
+
+def test_router_dying_on_every_attempt_gives_an_error_event(server, client):
+    """Kill every router replica as soon as it is up: after MAX_RESUMES resumes the stream ends with an
+    SSE error object (HTTP) / UNAVAILABLE (gRPC), never a bare closed connection."""
+    stop = threading.Event()
+    kills = []
+
+    def router_running() -> bool:
+        from ray import serve
+
+        return serve.status().applications["tandem"].deployments["Router"].status == "HEALTHY"
+
+    def killer():
+        while not stop.is_set():
+            name, actor = _router_replica()
+            if actor is not None and name not in kills and router_running():
+                time.sleep(2.0)  # the resumed request reaches it
+                ray.kill(actor, no_restart=True)
+                kills.append(name)
+            time.sleep(0.2)
+
+    body = dict(model=MODEL, prompt=PROMPTS[2][0], max_tokens=4000, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(openai.APIError) as info:
+            for _ in client.completions.create(**body):
+                pass
+        assert "failed" in str(info.value.message) and "router" in str(info.value.message)
+        assert len(kills) >= MAX_RESUMES + 1
+        channel = grpc.insecure_channel(server.grpc)
+        stub = rpc.GenerationStub(channel)
+        request = pb.GenerateRequest(model=MODEL, prompt=PROMPTS[2][0],
+                                     params=pb.SamplingParams(max_tokens=4000, ignore_eos=True))
+        with pytest.raises(grpc.RpcError) as rpc_info:
+            for _ in stub.Generate(request, metadata=(("application", "tandem"),), timeout=600):
+                pass
+        assert rpc_info.value.code() == grpc.StatusCode.UNAVAILABLE, rpc_info.value.details()
+    finally:
+        stop.set()
+        thread.join()
+    # with the killer gone, Serve's next router replica serves again
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+            assert r.usage.completion_tokens == 2
+            break
+        except openai.APIError:
+            time.sleep(2)
+    else:
+        raise AssertionError("the server did not serve again")

@@ -1,7 +1,8 @@
 """The ingress: OpenAI-compatible HTTP API (FastAPI) and the public gRPC `Generation` service.
 
-Everything a client can get wrong is checked here, before a stream starts: HTTP answers 4xx with an
-OpenAI-style error body, gRPC answers INVALID_ARGUMENT. Generation itself happens in the router
+Everything a client can get wrong is checked here, before a stream starts (HTTP bodies are read and
+validated by `deployments/openai_api.py`): HTTP answers 4xx with an OpenAI-style error body, gRPC
+answers INVALID_ARGUMENT, whatever the input. Generation itself happens in the router
 deployment; this replica tokenizes, applies the chat template, and formats results.
 """
 
@@ -15,10 +16,9 @@ from typing import Literal
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
+from jinja2.exceptions import TemplateError
 from ray import serve
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import models
@@ -26,106 +26,47 @@ from cluster.errors import InvalidRequestError
 from cluster.sampling import SamplingParams
 from cluster.speculate import validate_request
 from deployments.config import TandemAppConfig
-from protos import pb
+from deployments.failover import FailoverMetrics, resumable_stream
+from deployments.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse, StreamOptions,
+                                    error_response, parse_request, read_body)
+from deployments.openai_responses import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
+                                          CompletionResponse, Health, ModelList, openapi_document, route_docs)
+from protos import UnreadableRequest, pb
 
 log = logging.getLogger(__name__)
 
-# ---- request bodies (OpenAI's fields; what tandem cannot honour is refused, not ignored) ----------
+# an {"error": ...} chunk's type -> (HTTP status, gRPC code); anything else is a server error
+ERROR_STATUS = {"invalid_request_error": (400, grpc.StatusCode.INVALID_ARGUMENT),
+                "service_unavailable": (503, grpc.StatusCode.UNAVAILABLE),
+                "overloaded": (503, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                "timeout": (504, grpc.StatusCode.DEADLINE_EXCEEDED)}
 
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="The served model id (see GET /v1/models).")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="Extension: keep the k most likely tokens (0 keeps all).")
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = Field(None, description="Up to 16 stop strings.")
-    n: int = Field(1, ge=1, le=1, description="Only n = 1 is served.")
-    stream: bool = False
-    stream_options: dict[Literal["include_usage"], bool] | None = None
-    ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
-    num_speculative_tokens: int | None = Field(None, ge=0, le=32, description="Extension: cap on γ for this request; 0 = plain decoding.")
-    return_token_ids: bool = Field(False, description="Extension: include the generated token ids in each choice.")
-    user: str | None = None
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported (must be 0).")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported (must be 0).")
-    logprobs: None = Field(None, description="Not supported.")
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="Not supported.")
-
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] = Field(description="A string, a one-string list, or token ids.")
-    echo: bool = Field(False, le=False, description="Not supported.")
-    best_of: int | None = Field(None, ge=1, le=1, description="Only 1.")
-    suffix: None = Field(None, description="Not supported.")
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is served (send one request per prompt)")
-        return prompt
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[Literal["type", "text"], str]]
-    name: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or "text" not in part:
-                raise InvalidRequestError("messages: only text content parts ({'type': 'text', 'text': ...}) are served")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
-
-
-# ---- errors ---------------------------------------------------------------------------------------
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   type_: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "param": param,
-                                                               "code": code}})
-
-
-def _validation_error(e: RequestValidationError | ValidationError) -> JSONResponse:
-    first = e.errors()[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    if first.get("type") == "json_invalid":
-        return error_response(400, f"the request body is not valid JSON: {first.get('msg')}")
-    field = ".".join(loc) or "body"
-    return error_response(400, f"{field}: {first['msg']}", param=field)
-
+# chat roles a gRPC ChatMessage may carry -> the role the chat template sees
+GRPC_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 app = FastAPI(title="tandem", description="OpenAI-compatible API over lossless pipelined speculative decoding.")
-
-
-@app.exception_handler(RequestValidationError)
-async def _on_validation_error(request: Request, e: RequestValidationError):
-    return _validation_error(e)
+app.openapi = lambda: openapi_document(app)
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _on_http_error(request: Request, e: StarletteHTTPException):
     return error_response(e.status_code, str(e.detail), type_="invalid_request_error")
+
+
+@app.exception_handler(Exception)
+async def _on_server_error(request: Request, e: Exception):
+    """A bug, not the client's fault: still an OpenAI-style body (Starlette logs the traceback)."""
+    return error_response(500, f"internal error: {type(e).__name__}", type_="server_error")
+
+
+async def _chain(first: dict, rest):
+    """`first`, then the rest of the stream (closing it when the caller stops early)."""
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
 
 
 def _usage(final: dict) -> dict:
@@ -154,6 +95,7 @@ class Ingress:
         self.vocab_size = len(self.tokenizer)
         self.router = router_handle
         self.created = int(time.time())
+        self.failover_metrics = FailoverMetrics(self.config.model_id)
 
     # -- shared checks ---------------------------------------------------------------------------
 
@@ -174,89 +116,93 @@ class Ingress:
         validate_request(prompt_ids, params, self.max_context, self.tokenizer, self.vocab_size)
         return params
 
-    def _http_params(self, body: _Common, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+    def _http_params(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                     max_tokens: int | None) -> SamplingParams:
         return self._sampling(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
 
     def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
-                                                       add_generation_prompt=True, tokenize=True, return_dict=False))
-
-    async def _run(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None):
-        """The router's chunks (an error arrives as one {"error": ...} chunk); cancelled when the caller goes away."""
-        stream = self.router.options(stream=True).generate.remote(prompt_ids, params.model_dump(),
-                                                                  max_speculative_tokens)
+        if not messages:
+            raise InvalidRequestError("messages: at least one message is required")
         try:
-            async for chunk in stream:
-                yield chunk
-        finally:
-            stream.cancel()
+            return list(self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        except TemplateError as e:  # a model's template may refuse an order of roles
+            raise InvalidRequestError(f"messages: the model's chat template refused them: {e}") from None
+
+    def _run(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None):
+        """The router's chunks (an error arrives as one {"error": ...} chunk), resumed on another router
+        replica when the one carrying the session dies; cancelled when the caller goes away."""
+        failover = self.config.failover
+        return resumable_stream(self.router, prompt_ids, params, max_speculative_tokens, failover.max_resumes,
+                                failover.resume_delay_s, self.failover_metrics, self.config.request_timeout_s)
+
+    def _error(self, error: dict):
+        """An {"error": ...} chunk that came before anything was sent, as an HTTP response."""
+        response = error_response(ERROR_STATUS.get(error["type"], (500,))[0], error["message"], type_=error["type"],
+                                  code=error["type"] if error["type"] in ERROR_STATUS else None)
+        if error["type"] == "overloaded":
+            response.headers["Retry-After"] = str(self.config.retry_after_s)
+        return response
 
     # -- HTTP --------------------------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}})
     async def health(self):
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, 401: {"model": ErrorResponse}})
     async def list_models(self, request: Request):
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         return {"object": "list", "data": [{"id": self.config.model_id, "object": "model", "created": self.created,
                                             "owned_by": "tandem", "max_model_len": self.max_context}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_docs(CompletionRequest, CompletionResponse, CompletionChunk))
     async def completions(self, request: Request):
         return await self.http(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **route_docs(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(self, request: Request):
         return await self.http(request, "chat")
 
     async def http(self, request: Request, kind: Literal["completion", "chat"]):
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
-        raw = await request.body()
         try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            return error_response(400, "the request body is not valid UTF-8")
-        except json.JSONDecodeError as e:
-            return error_response(400, f"the request body is not valid JSON: {e}")
-        if not isinstance(data, dict):
-            return error_response(400, "the request body must be a JSON object")
-        try:
-            body = (CompletionRequest if kind == "completion" else ChatCompletionRequest).model_validate(data)
-        except ValidationError as e:
-            return _validation_error(e)
-        if body.model != self.config.model_id:
-            return error_response(404, f"the model `{body.model}` does not exist; this server serves "
-                                       f"`{self.config.model_id}`", param="model", code="model_not_found")
-        try:
+            body = parse_request(await read_body(request),
+                                 CompletionRequest if kind == "completion" else ChatCompletionRequest)
+            if body.model != self.config.model_id:
+                raise ApiError(404, f"the model `{body.model}` does not exist; this server serves "
+                                    f"`{self.config.model_id}`", param="model", code="model_not_found")
             if kind == "completion":
                 prompt = body.prompt
-                if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                prompt_ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+                prompt_ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else prompt
                 max_tokens = body.max_tokens
             else:
-                prompt_ids = self._chat_ids([(m.role, m.text()) for m in body.messages])
+                prompt_ids = self._chat_ids([(m.template_role(), m.text()) for m in body.messages])
                 max_tokens = body.max_completion_tokens or body.max_tokens
             params = self._http_params(body, prompt_ids, max_tokens)
+        except ApiError as e:
+            return e.response()
         except InvalidRequestError as e:
             return error_response(400, str(e))
         chunks = self._run(prompt_ids, params, body.num_speculative_tokens)
+        first = await anext(chunks)  # a refusal (queue full, ...) still gets its status code, not a 200 stream
+        if "error" in first:
+            await chunks.aclose()
+            return self._error(first["error"])
+        chunks = _chain(first, chunks)
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(chunks, kind, request_id, body.model, include_usage,
-                                               body.return_token_ids),
+            return StreamingResponse(self._sse(chunks, kind, request_id, body.model, body.usage_options(),
+                                               len(prompt_ids), body.return_token_ids),
                                      media_type="text/event-stream")
         text, token_ids, final = "", [], None
         async for chunk in chunks:
             if "error" in chunk:
-                return error_response(400 if chunk["error"]["type"] == "invalid_request_error" else 500,
-                                      chunk["error"]["message"], type_=chunk["error"]["type"])
+                return self._error(chunk["error"])
             text += chunk["text"]
             token_ids += chunk["token_ids"]
             if "finish_reason" in chunk:
@@ -272,12 +218,17 @@ class Ingress:
                 "created": int(time.time()), "model": body.model, "choices": [choice],
                 "usage": _usage(final), "speculation": _speculation(final["stats"])}
 
-    async def _sse(self, chunks, kind: str, request_id: str, model: str, include_usage: bool,
-                   return_token_ids: bool):
+    async def _sse(self, chunks, kind: str, request_id: str, model: str, usage: StreamOptions,
+                   prompt_tokens: int, return_token_ids: bool):
+        """Server-sent events; with `usage.continuous_usage_stats` every chunk carries the usage so far."""
         created = int(time.time())
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        completion_tokens = 0
 
         def event(choices: list, **extra) -> str:
+            if usage.continuous_usage_stats:
+                extra = {"usage": _usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}),
+                         **extra}
             return "data: " + json.dumps({"id": request_id, "object": obj, "created": created, "model": model,
                                           "choices": choices, **extra}) + "\n\n"
 
@@ -299,12 +250,13 @@ class Ingress:
             if "error" in chunk:
                 yield "data: " + json.dumps({"error": {**chunk["error"], "param": None, "code": None}}) + "\n\n"
                 break
+            completion_tokens += len(chunk["token_ids"])
             if chunk["text"] or (return_token_ids and chunk["token_ids"]):
                 yield event([choice(chunk["text"], None, token_ids=chunk["token_ids"])])
             if "finish_reason" in chunk:
                 extra = {"speculation": _speculation(chunk["stats"])}
                 yield event([choice(None if kind == "chat" else "", chunk["finish_reason"])], **extra)
-                if include_usage:
+                if usage.include_usage:
                     yield event([], usage=_usage(chunk))
         yield "data: [DONE]\n\n"
 
@@ -312,15 +264,17 @@ class Ingress:
 
     async def Generate(self, request, grpc_context=None):
         try:
+            if isinstance(request, UnreadableRequest):  # protos.read_generate_request could not read it
+                raise InvalidRequestError(request.reason)
+            if request.model and request.model != self.config.model_id:
+                raise InvalidRequestError(f"the model `{request.model}` does not exist; this server serves "
+                                          f"`{self.config.model_id}`")
             if request.WhichOneof("input") == "messages":
-                prompt_ids = self._chat_ids([(m.role, m.content) for m in request.messages.messages])
+                prompt_ids = self._chat_ids([(self._grpc_role(m.role), m.content) for m in request.messages.messages])
             elif request.prompt:
                 prompt_ids = list(self.tokenizer(request.prompt)["input_ids"])
             else:
                 raise InvalidRequestError("prompt or messages is required")
-            if request.model and request.model != self.config.model_id:
-                raise InvalidRequestError(f"the model `{request.model}` does not exist; this server serves "
-                                          f"`{self.config.model_id}`")
             p = request.params
             params = self._sampling(prompt_ids, p.max_tokens or None, temperature=p.temperature,
                                     top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
@@ -332,8 +286,7 @@ class Ingress:
         gamma = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         async for chunk in self._run(prompt_ids, params, gamma):
             if "error" in chunk:
-                grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT if chunk["error"]["type"] == "invalid_request_error"
-                                      else grpc.StatusCode.INTERNAL)
+                grpc_context.set_code(ERROR_STATUS.get(chunk["error"]["type"], (500, grpc.StatusCode.INTERNAL))[1])
                 grpc_context.set_details(chunk["error"]["message"])
                 raise InvalidRequestError(chunk["error"]["message"])
             response = pb.GenerateResponse(text=chunk["text"], token_ids=chunk["token_ids"],
@@ -347,6 +300,12 @@ class Ingress:
                     mean_accepted_length=s["mean_accepted_length"], rounds=s["rounds"],
                     accepted_per_position=s["accepted_per_position"], drafted_per_position=s["drafted_per_position"]))
             yield response
+
+    @staticmethod
+    def _grpc_role(role: str) -> str:
+        if role not in GRPC_ROLES:
+            raise InvalidRequestError(f"messages: role {role[:40]!r} is not one of {', '.join(GRPC_ROLES)}")
+        return GRPC_ROLES[role]
 
     async def Check(self, request, grpc_context=None):
         """grpc.health.v1.Health/Check: SERVING once this replica runs (Serve only routes to live ones)."""

@@ -2,7 +2,9 @@
 
 The stubs are generated on first import (with the installed grpcio-tools, so they always match the
 installed protobuf/grpcio) into `protos/_generated/`, keyed by the .proto's hash, and never
-committed. `from protos import pb, rpc` gives the message and service modules.
+committed. `from protos import pb, rpc` gives the message and service modules;
+`add_GenerationServicer_to_server` registers the public service for Ray Serve's gRPC proxy with a
+request reader that never raises (a corrupt request becomes INVALID_ARGUMENT, not UNKNOWN).
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
+from google.protobuf.message import DecodeError
 
 _HERE = Path(__file__).resolve().parent
 PROTO = _HERE / "tandem.proto"
@@ -59,5 +65,33 @@ def _load():
 
 pb, rpc = _load()
 
-# Import paths for Ray Serve's gRPC proxy (`grpc_options.grpc_servicer_functions` in ray_config.yaml).
-add_GenerationServicer_to_server = rpc.add_GenerationServicer_to_server
+MAX_REQUEST_BYTES = 4 * 2**20  # the largest public request read: a gRPC GenerateRequest or an HTTP body
+
+
+@dataclass(frozen=True)
+class UnreadableRequest:
+    """Handed to the servicer instead of a request that cannot be read (corrupt wire format, too
+    large): the servicer answers INVALID_ARGUMENT with `reason`, where a raising deserializer would
+    make the server answer UNKNOWN."""
+
+    reason: str
+
+
+def read_generate_request(data: bytes) -> pb.GenerateRequest | UnreadableRequest:
+    if len(data) > MAX_REQUEST_BYTES:
+        return UnreadableRequest(f"the request is {len(data)} bytes; this server accepts at most {MAX_REQUEST_BYTES}")
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return UnreadableRequest(f"the request is not a valid tandem.v1.GenerateRequest: {e}")
+
+
+def add_GenerationServicer_to_server(servicer, server) -> None:
+    """The generated `rpc.add_GenerationServicer_to_server`, reading requests with
+    `read_generate_request`. Ray Serve's gRPC proxy imports it (`grpc_options.grpc_servicer_functions`
+    in ray_config.yaml) and keeps its request deserializer."""
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=read_generate_request,
+        response_serializer=pb.GenerateResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tandem.v1.Generation", handlers),))
+    server.add_registered_method_handlers("tandem.v1.Generation", handlers)

@@ -1,12 +1,19 @@
-"""Bad input gets one clear error: engine, config, CLI."""
+"""Bad input gets one clear error: engine, config, CLI, and the served HTTP and gRPC APIs (a table of
+malformed requests through the real Serve app; what OpenAI-ecosystem clients send is accepted)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
 
+import grpc
+import httpx
+import openai
 import pytest
+import ray
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -14,6 +21,7 @@ from cluster.engine import EngineConfig, make_proposer
 from cluster.errors import ConfigError, InvalidRequestError
 from cluster.sampling import SamplingParams
 from cluster.speculate import SpeculativeDecoder
+from protos import pb, rpc
 from tests.helpers import tiny_llama
 
 
@@ -79,3 +87,384 @@ def test_cli_errors_are_one_line_and_exit_non_zero(args, message):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("tandem: error:") and message in lines[-1], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---- the served APIs: every malformed request gets a 4xx / INVALID_ARGUMENT, never a 5xx ----------
+
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "test-key"
+METADATA = (("application", "tandem"),)
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The Serve application on a local Ray (127.0.0.1), small and fast: fp32 target, n-gram drafts."""
+    from ray import serve
+
+    from cluster.runtime import free_port, init_local_ray
+    from deployments.serving import DEFAULT_CONFIG, load_config, start
+
+    init_local_ray(num_cpus=16)
+    config = load_config(DEFAULT_CONFIG, overrides={
+        "engine": {"dtype": "float32", "proposer": "ngram", "num_speculative_tokens": 3, "threads": 1},
+        "api_keys": [API_KEY], "default_max_tokens": 4, "request_timeout_s": 8, "retry_after_s": 2,
+        # admission: 2 sessions at once, 2 more queued; past that a request is refused at once
+        "router": {"max_ongoing_requests": 2, "max_queued_requests": 2, "placement": {"num_cpus": 0}}})
+    yield start(config, http_port=free_port(), grpc_port=free_port())
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+
+
+def _message(**fields) -> dict:
+    return _chat(messages=[{"role": "user", "content": "hi", **fields}])
+
+
+# (id, path, body: dict -> JSON (lone surrogates escaped as \\udXXX) or raw bytes, headers, status, words in message)
+HTTP_CASES = [
+    ("deep-array", COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, {}, 400, "nested"),
+    ("deep-array-unclosed", COMPLETIONS, b"[" * 100_000, {}, 400, "nested"),
+    ("deep-prompt", COMPLETIONS, b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, 400, "nested"),
+    ("65-deep-objects", COMPLETIONS, _completion(metadata=json.loads('{"a": ' * 64 + "1" + "}" * 64)), {}, 400, "nested"),
+    ("surrogate-prompt", COMPLETIONS, _completion(prompt="a\ud800b"), {}, 400, "surrogate"),
+    ("surrogate-prompt-list", COMPLETIONS, _completion(prompt=["a\udfffb"]), {}, 400, "surrogate"),
+    ("surrogate-content", CHAT, _chat(messages=[{"role": "user", "content": "\ud83d"}]), {}, 400, "surrogate"),
+    ("surrogate-content-part", CHAT, _message(content=[{"type": "text", "text": "x\udc00"}]), {}, 400, "surrogate"),
+    ("surrogate-name", CHAT, _message(name="\ud800"), {}, 400, "surrogate"),
+    ("surrogate-stop", COMPLETIONS, _completion(stop=["ok", "\ud800"]), {}, 400, "surrogate"),
+    ("surrogate-model", COMPLETIONS, _completion(model="gpt\ud800"), {}, 400, "surrogate"),
+    ("surrogate-user", COMPLETIONS, _completion(user="\udbff"), {}, 400, "surrogate"),
+    ("surrogate-key", COMPLETIONS, {**_completion(), "\ud800": 1}, {}, 400, "surrogate"),
+    ("surrogate-unknown-field", COMPLETIONS, _completion(vendor_field={"x": "\udc00"}), {}, 400, "surrogate"),
+    ("top-k-huge", COMPLETIONS, _completion(temperature=1, top_k=10**12), {}, 400, "top_k"),
+    ("top-k-negative", COMPLETIONS, _completion(top_k=-2), {}, 400, "top_k"),
+    ("seed-2^64", COMPLETIONS, _completion(seed=2**64), {}, 400, "seed"),
+    ("seed-negative", COMPLETIONS, _completion(seed=-1), {}, 400, "seed"),
+    ("seed-float", COMPLETIONS, _completion(seed=1.5), {}, 400, "seed"),
+    ("max-tokens-2^40", COMPLETIONS, _completion(max_tokens=2**40), {}, 400, "max_tokens"),
+    ("max-tokens-negative", COMPLETIONS, _completion(max_tokens=-5), {}, 400, "max_tokens"),
+    ("max-tokens-zero", COMPLETIONS, _completion(max_tokens=0), {}, 400, "max_tokens"),
+    ("max-tokens-string", COMPLETIONS, _completion(max_tokens="ten"), {}, 400, "max_tokens"),
+    ("max-tokens-over-context", COMPLETIONS, _completion(max_tokens=100_000), {}, 400, "context length"),
+    ("max-tokens-5000-digits", COMPLETIONS, b'{"model": "m", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, "JSON"),
+    ("temperature-nan", COMPLETIONS, b'{"model": "m", "prompt": "hi", "temperature": NaN}', {}, 400, "NaN"),
+    ("temperature-infinity", COMPLETIONS, b'{"model": "m", "prompt": "hi", "temperature": -Infinity}', {}, 400, "Infinity"),
+    ("temperature-1e400", COMPLETIONS, json.dumps(_completion()).encode()[:-1] + b', "temperature": 1e400}', {}, 400, "temperature"),
+    ("temperature-negative", COMPLETIONS, _completion(temperature=-1), {}, 400, "temperature"),
+    ("temperature-tiny", COMPLETIONS, _completion(temperature=1e-300), {}, 400, "temperature"),
+    ("top-p-zero", COMPLETIONS, _completion(top_p=0), {}, 400, "top_p"),
+    ("top-p-over-one", COMPLETIONS, _completion(top_p=1.5), {}, 400, "top_p"),
+    ("top-p-tiny", COMPLETIONS, _completion(top_p=1e-40), {}, 400, "top_p"),
+    ("gamma-1000", COMPLETIONS, _completion(num_speculative_tokens=1000), {}, 400, "num_speculative_tokens"),
+    ("gamma-negative", COMPLETIONS, _completion(num_speculative_tokens=-1), {}, 400, "num_speculative_tokens"),
+    ("token-id-over-vocab", COMPLETIONS, _completion(prompt=[1, 10**9]), {}, 400, "token ids"),
+    ("token-id-negative", COMPLETIONS, _completion(prompt=[-1]), {}, 400, "token ids"),
+    ("token-id-2^64", COMPLETIONS, _completion(prompt=[2**64]), {}, 400, "token ids"),
+    ("token-ids-nested", COMPLETIONS, _completion(prompt=[[1, 2]]), {}, 400, "prompt"),
+    ("token-ids-mixed", COMPLETIONS, _completion(prompt=[1, "a"]), {}, 400, "prompt"),
+    ("token-ids-bools", COMPLETIONS, _completion(prompt=[True]), {}, 400, "prompt"),
+    ("two-prompts", COMPLETIONS, _completion(prompt=["a", "b"]), {}, 400, "one prompt"),
+    ("empty-prompt", COMPLETIONS, _completion(prompt=""), {}, 400, "empty"),
+    ("empty-token-ids", COMPLETIONS, _completion(prompt=[]), {}, 400, "empty"),
+    ("prompt-number", COMPLETIONS, _completion(prompt=5), {}, 400, "prompt"),
+    ("prompt-object", COMPLETIONS, _completion(prompt={"text": "hi"}), {}, 400, "prompt"),
+    ("prompt-missing", COMPLETIONS, {"model": MODEL}, {}, 400, "prompt"),
+    ("prompt-over-context", COMPLETIONS, _completion(prompt="hi " * 9000), {}, 400, "context length"),
+    ("model-missing", COMPLETIONS, {"prompt": "hi"}, {}, 400, "model"),
+    ("model-number", COMPLETIONS, _completion(model=5), {}, 400, "model"),
+    ("model-unknown", COMPLETIONS, _completion(model="gpt-4"), {}, 404, "does not exist"),
+    ("n-2", COMPLETIONS, _completion(n=2), {}, 400, "n = 1"),
+    ("best-of-3", COMPLETIONS, _completion(best_of=3), {}, 400, "best_of"),
+    ("logprobs-1", COMPLETIONS, _completion(logprobs=1), {}, 400, "log probabilities"),
+    ("echo", COMPLETIONS, _completion(echo=True), {}, 400, "echo"),
+    ("suffix", COMPLETIONS, _completion(suffix="x"), {}, 400, "suffix"),
+    ("presence-penalty", COMPLETIONS, _completion(presence_penalty=0.5), {}, 400, "penalties"),
+    ("frequency-penalty", COMPLETIONS, _completion(frequency_penalty=-1), {}, 400, "penalties"),
+    ("repetition-penalty", COMPLETIONS, _completion(repetition_penalty=1.2), {}, 400, "penalties"),
+    ("logit-bias", COMPLETIONS, _completion(logit_bias={"1": 5}), {}, 400, "logit bias"),
+    ("min-tokens", COMPLETIONS, _completion(min_tokens=5), {}, 400, "minimum output length"),
+    ("stop-17", COMPLETIONS, _completion(stop=[str(i) for i in range(17)]), {}, 400, "stop"),
+    ("stop-empty-string", COMPLETIONS, _completion(stop=[""]), {}, 400, "stop"),
+    ("stop-number", COMPLETIONS, _completion(stop=5), {}, 400, "stop"),
+    ("stream-number", COMPLETIONS, _completion(stream=5), {}, 400, "stream"),
+    ("stream-options-string", COMPLETIONS, _completion(stream=True, stream_options="usage"), {}, 400, "stream_options"),
+    ("not-json", COMPLETIONS, b"{not json", {}, 400, "not valid JSON"),
+    ("not-utf8", COMPLETIONS, b'\xff\xfe{"model": 1}', {}, 400, "UTF-8"),
+    ("array-body", COMPLETIONS, b"[1, 2]", {}, 400, "JSON object"),
+    ("string-body", COMPLETIONS, b'"hi"', {}, 400, "JSON object"),
+    ("empty-body", COMPLETIONS, b"", {}, 400, "not valid JSON"),
+    ("form-body", COMPLETIONS, b"model=m&prompt=hi", {"Content-Type": "application/x-www-form-urlencoded"}, 400, "not valid JSON"),
+    ("multipart-body", COMPLETIONS, b"--x\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nhi\r\n--x--\r\n",
+     {"Content-Type": "multipart/form-data; boundary=x"}, 400, "not valid JSON"),
+    ("body-5-mib", COMPLETIONS, b'{"model": "m", "prompt": "' + b"a" * (5 * 2**20) + b'"}', {}, 413, "at most"),
+    ("chat-no-messages", CHAT, _chat(messages=[]), {}, 400, "messages"),
+    ("chat-messages-missing", CHAT, {"model": MODEL}, {}, 400, "messages"),
+    ("chat-messages-string", CHAT, _chat(messages="hi"), {}, 400, "messages"),
+    ("chat-role-wizard", CHAT, _chat(messages=[{"role": "wizard", "content": "hi"}]), {}, 400, "role"),
+    ("chat-role-tool", CHAT, _chat(messages=[{"role": "tool", "content": "hi", "tool_call_id": "1"}]), {}, 400, "role"),
+    ("chat-role-missing", CHAT, _chat(messages=[{"content": "hi"}]), {}, 400, "role"),
+    ("chat-content-missing", CHAT, _chat(messages=[{"role": "user"}]), {}, 400, "content"),
+    ("chat-content-number", CHAT, _message(content=5), {}, 400, "content"),
+    ("chat-image-part", CHAT, _message(content=[{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]), {}, 400, "text content parts"),
+    ("chat-part-without-text", CHAT, _message(content=[{"type": "text"}]), {}, 400, "text content parts"),
+    ("chat-tool-calls", CHAT, _message(tool_calls=[{"id": "1", "type": "function"}]), {}, 400, "tool calling"),
+    ("chat-tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tool calling"),
+    ("chat-tool-choice", CHAT, _chat(tool_choice="auto"), {}, 400, "tool calling"),
+    ("chat-functions", CHAT, _chat(functions=[{"name": "f"}]), {}, 400, "function calling"),
+    ("chat-json-mode", CHAT, _chat(response_format={"type": "json_object"}), {}, 400, "structured outputs"),
+    ("chat-logprobs", CHAT, _chat(logprobs=True), {}, 400, "log probabilities"),
+    ("chat-top-logprobs", CHAT, _chat(top_logprobs=3), {}, 400, "log probabilities"),
+    ("chat-max-completion-tokens-zero", CHAT, _chat(max_completion_tokens=0), {}, 400, "max_completion_tokens"),
+    ("chat-n-2", CHAT, _chat(n=2), {}, 400, "n = 1"),
+    ("wrong-key", COMPLETIONS, _completion(), {"Authorization": "Bearer wrong"}, 401, "API key"),
+    ("no-key", CHAT, _chat(), {"Authorization": ""}, 401, "API key"),
+]
+
+
+def _assert_openai_error(response: httpx.Response, status: int, needle: str) -> None:
+    assert response.status_code == status, response.text[:500]
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and needle in error["message"], error
+
+
+@pytest.mark.parametrize("path,body,headers,status,needle", [c[1:] for c in HTTP_CASES],
+                         ids=[c[0] for c in HTTP_CASES])
+def test_malformed_http_request(server, path, body, headers, status, needle):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.http + path, content=content, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **headers})
+    _assert_openai_error(r, status, needle)
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nothing", 404), ("GET", COMPLETIONS, 405),
+                                                ("GET", "/v1/models", 401)])
+def test_wrong_route_method_or_key(server, method, path, status):
+    _assert_openai_error(httpx.request(method, server.http + path, timeout=30), status, "")
+
+
+def test_chunked_body_over_the_limit(server):
+    """No Content-Length to refuse early: the body is counted as it arrives."""
+    chunks = (b'{"model": "m", "prompt": "', *[b"a" * 2**20] * 5, b'"}')
+    r = httpx.post(server.http + COMPLETIONS, content=iter(chunks), timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    _assert_openai_error(r, 413, "more than")
+
+
+def _generate(server, request: pb.GenerateRequest | bytes) -> list:
+    channel = grpc.insecure_channel(server.grpc)
+    call = channel.unary_stream("/tandem.v1.Generation/Generate", response_deserializer=pb.GenerateResponse.FromString,
+                                request_serializer=(lambda b: b) if isinstance(request, bytes) else
+                                pb.GenerateRequest.SerializeToString)
+    try:
+        return list(call(request, metadata=METADATA, timeout=60))
+    finally:
+        channel.close()
+
+
+def _grpc(prompt: str = "hi", **params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(model=MODEL, prompt=prompt, params=pb.SamplingParams(**{"max_tokens": 2, **params}))
+
+
+def _grpc_chat(*messages: tuple[str, str]) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(model=MODEL, params=pb.SamplingParams(max_tokens=2))
+    request.messages.SetInParent()
+    for role, content in messages:
+        request.messages.messages.add(role=role, content=content)
+    return request
+
+
+GRPC_CASES = [
+    ("corrupt-bytes", b"\xff\xff\xff\xff", "not a valid tandem.v1.GenerateRequest"),
+    ("truncated-field", _grpc().SerializeToString()[:-1], "not a valid tandem.v1.GenerateRequest"),
+    ("prompt-not-utf8", b"\x12\x02\xff\xfe", "not a valid tandem.v1.GenerateRequest"),
+    ("varint-overlong", b"\x0a" + b"\x80" * 20, "not a valid tandem.v1.GenerateRequest"),
+    # a lone surrogate (U+D800) encoded as if it were UTF-8 (ED A0 80), in the prompt, a message, a stop string
+    ("surrogate-prompt", b"\x12\x03\xed\xa0\x80", "not a valid tandem.v1.GenerateRequest"),
+    ("surrogate-content", b"\x1a\x0d\x0a\x0b\x0a\x04user\x12\x03\xed\xa0\x80", "not a valid tandem.v1.GenerateRequest"),
+    ("surrogate-stop", b"\x12\x02hi\x22\x05\x32\x03\xed\xa0\x80", "not a valid tandem.v1.GenerateRequest"),
+    ("message-5-mib", _grpc(prompt="a" * (5 * 2**20)), "at most"),
+    ("empty-prompt", _grpc(prompt=""), "prompt or messages"),
+    ("empty-messages", _grpc_chat(), "at least one message"),
+    ("role-wizard", _grpc_chat(("wizard", "hi")), "role"),
+    ("role-empty", _grpc_chat(("", "hi")), "role"),
+    ("temperature-negative", _grpc(temperature=-1), "temperature"),
+    ("temperature-nan", _grpc(temperature=float("nan")), "temperature"),
+    ("temperature-inf", _grpc(temperature=float("inf")), "temperature"),
+    ("top-p-over-one", _grpc(top_p=2), "top_p"),
+    ("top-p-nan", _grpc(top_p=float("nan")), "top_p"),
+    ("max-tokens-over-context", _grpc(max_tokens=100_000), "context length"),
+    ("max-tokens-uint32-max", _grpc(max_tokens=2**32 - 1), "context length"),
+    ("seed-2^64-1", _grpc(seed=2**64 - 1), "seed"),
+    ("stop-17", _grpc(stop=[str(i) for i in range(17)]), "stop"),
+    ("stop-empty-string", _grpc(stop=[""]), "stop"),
+    ("prompt-over-context", _grpc(prompt="hi " * 9000), "context length"),
+    ("model-unknown", pb.GenerateRequest(model="gpt-4", prompt="hi"), "does not exist"),
+]
+
+
+@pytest.mark.parametrize("request_,needle", [c[1:] for c in GRPC_CASES], ids=[c[0] for c in GRPC_CASES])
+def test_malformed_grpc_request(server, request_, needle):
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(server, request_)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details())
+    assert needle in info.value.details(), info.value.details()
+
+
+def test_still_serves_after_malformed_input(server):
+    r = httpx.post(server.http + COMPLETIONS, json=_completion(max_tokens=3, temperature=0), timeout=120,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    responses = _generate(server, _grpc_chat(("user", "hi")))
+    assert responses[-1].finish_reason in ("stop", "length") and responses[-1].completion_tokens <= 2
+
+
+# ---- what the ecosystem's clients send is accepted ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_guidellm_chat_stream(server, client):
+    """guidellm 0.8's body: continuous usage stats, stop null, ignore_eos; usage in every chunk."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count: one, two,"}], max_tokens=6, stop=None,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "max_completion_tokens": 6})
+    chunks = list(stream)
+    assert chunks and all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6  # ignore_eos: exactly max_tokens
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    assert chunks[-1].choices == []  # include_usage: the last chunk carries only the usage
+
+
+def test_completion_stream_usage_in_every_chunk(server):
+    body = _completion(max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True},
+                       ignore_eos=True, stop=None, temperature=None, top_k=-1)
+    with httpx.stream("POST", server.http + COMPLETIONS, json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events and all("usage" in e for e in events)
+    assert events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_harmless_and_unknown_fields_are_ignored(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "developer", "content": "Be brief."},
+                               {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"}],
+        max_tokens=2, temperature=0, user="u1", metadata={"run": "7"}, store=False, parallel_tool_calls=True,
+        tool_choice="none", logprobs=False, response_format={"type": "text"}, n=1, presence_penalty=0,
+        extra_body={"vendor_field": {"x": 1}, "top_k": -1, "min_tokens": 0, "skip_special_tokens": True,
+                    "repetition_penalty": 1.0})
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 2
+    r = client.completions.create(model=MODEL, prompt=["hi"], max_tokens=2, echo=False, best_of=1, logprobs=None,
+                                  suffix=None, seed=2**63 - 1, extra_body={"another_unknown": None})
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_refusals_name_the_field_through_the_client(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    assert info.value.param == "n" and info.value.code == "unsupported_parameter"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+
+
+def test_ignored_fields_are_logged_once(caplog):
+    from deployments import openai_api
+
+    body = json.dumps(_chat(user="u", some_new_field=1)).encode()
+    with caplog.at_level(logging.WARNING, logger="deployments.openai_api"):
+        openai_api._warned.clear()
+        for _ in range(3):
+            openai_api.parse_request(body, openai_api.ChatCompletionRequest)
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2 and any("'some_new_field'" in m for m in logged) and any("'user'" in m for m in logged)
+
+
+def test_openapi_describes_the_bodies(server):
+    document = httpx.get(server.http + "/openapi.json", timeout=30).json()
+    schemas = document["components"]["schemas"]
+    for path, request, response in [(COMPLETIONS, "CompletionRequest", "CompletionResponse"),
+                                    (CHAT, "ChatCompletionRequest", "ChatCompletionResponse")]:
+        post = document["paths"][path]["post"]
+        ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{request}" and request in schemas
+        assert post["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(response)
+        assert {"400", "401", "404", "413"} <= set(post["responses"])
+    assert {"messages", "max_completion_tokens", "stream_options"} <= set(schemas["ChatCompletionRequest"]["properties"])
+    assert schemas["CompletionRequest"]["properties"]["n"]["maximum"] == 1
+
+
+# ---- admission control and the per-request deadline ---------------------------------------------
+
+
+def test_past_the_queue_bound_requests_are_refused_at_once(server):
+    """2 running + up to 2 queued: of 8 concurrent long requests, the rest get 503 + Retry-After at once
+    (HTTP) / RESOURCE_EXHAUSTED (gRPC), with an OpenAI-style body; the admitted ones run."""
+    import concurrent.futures
+    import time
+
+    long = _completion(max_tokens=60, ignore_eos=True, temperature=0)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(_):
+        t0 = time.perf_counter()
+        r = httpx.post(server.http + "/v1/completions", json=long, headers=headers, timeout=120)
+        return r, time.perf_counter() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(post, range(8)))
+    refused = [(r, s) for r, s in results if r.status_code == 503]
+    admitted = [s for r, s in results if r.status_code != 503]  # served, or queued past the 8 s deadline (504)
+    statuses = [r.status_code for r, _ in results]
+    # how many of the queue's 2 places are taken when the 8 arrive together is up to timing
+    assert len(admitted) >= 2 and len(refused) >= 1 and set(statuses) <= {200, 503, 504}, statuses
+    assert statuses.count(200) >= 2, statuses
+    slowest_served = max(admitted)
+    for r, seconds in refused:
+        assert r.headers.get("retry-after") == "2", (r.headers, r.text)
+        assert r.json()["error"]["type"] == "overloaded" and "capacity" in r.json()["error"]["message"]
+        assert seconds < slowest_served / 2  # refused at once, not after waiting
+    # gRPC: the same bound
+    channel = grpc.insecure_channel(server.grpc)
+    stub = rpc.GenerationStub(channel)
+    request = pb.GenerateRequest(model=MODEL, prompt="hi", params=pb.SamplingParams(max_tokens=60, ignore_eos=True))
+
+    def generate(_):
+        try:
+            return sum(len(r.token_ids) for r in stub.Generate(request, metadata=METADATA, timeout=120))
+        except grpc.RpcError as e:
+            return e.code()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(generate, range(8)))
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and codes.count(60) >= 2, codes
+    assert set(codes) <= {60, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+
+
+def test_a_request_past_its_deadline_gets_504(server):
+    """`request_timeout_s` (8 s here): a generation that would run longer ends with 504 (not
+    streaming) or an error event (streaming), and its session is freed."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = _completion(max_tokens=4000, ignore_eos=True, temperature=0)
+    r = httpx.post(server.http + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+    with httpx.stream("POST", server.http + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=120) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert '"timeout"' in events[-2] and events[-1] == "data: [DONE]"

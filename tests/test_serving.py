@@ -170,7 +170,7 @@ BAD_REQUESTS = [
     (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
     (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}).encode(), 400, "n"),
     (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 3}).encode(), 400, "logprobs"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "bogus": 1}).encode(), 400, "bogus"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "stop": [""]}).encode(), 400, "stop"),
     (json.dumps({"model": MODEL, "prompt": "hi " * 9000}).encode(), 400, "context length"),
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "empty"),
     (json.dumps({"model": MODEL, "prompt": [10**9]}).encode(), 400, "token ids"),

@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP API's requests: their models, how a raw body becomes one, and the
+OpenAI-style error body (responses: `deployments/openai_responses.py`).
+
+Policy (README, "Serving"): what tandem can honour is served; fields that change nothing it serves are
+accepted and ignored (each name logged once per process), unknown fields too, as vLLM does; what it
+cannot honour (n > 1, log probabilities, tools, penalties, ...) is accepted only at its default value
+and refused otherwise with a 400 that says why. The body is read with a size bound (413) and checked
+for nesting depth and unencodable strings before any model sees it, so no input reaches a layer that
+cannot hold it: integers and floats are bounded here to what protobuf and the verifier take (floats rounded to float32).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
+
+from protos import MAX_REQUEST_BYTES
+
+log = logging.getLogger(__name__)
+
+MAX_JSON_DEPTH = 64  # a chat request with content parts is 5 deep
+MAX_UINT32 = 2**32 - 1  # protobuf's uint32 (max_tokens, top_k, token ids)
+MIN_POSITIVE_FLOAT = 1e-6  # smallest positive temperature or top_p (protobuf's float would round some to 0)
+NOT_SERVED = "Not supported: "  # the description prefix of fields accepted only at their default
+MAX_STOP = 16  # stop strings per request (cluster.sampling.SamplingParams)
+
+# Exact schemas of the fields whose before-validators give their own messages (a pydantic union would
+# report each member's failure); the token ids' upper bound is the model's vocabulary, checked later.
+_STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                          {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP}]}
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+                            {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_UINT32},
+                             "minItems": 1}]}
+_TEMPERATURE_SCHEMA = {"anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_POSITIVE_FLOAT, "maximum": 2}]}
+
+
+class ErrorBody(BaseModel):
+    message: str = Field(description="What is wrong, in one line.")
+    type: str = Field(description="`invalid_request_error` for a bad request, `server_error` otherwise.")
+    param: str | None = Field(description="The request field at fault, when one is.")
+    code: str | None = Field(description="A machine-readable code, when there is one (`invalid_api_key`, `model_not_found`, `unsupported_parameter`, `request_too_large`).")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class ApiError(Exception):
+    """A request refused with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code, self.type)
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   type_: str = "invalid_request_error") -> JSONResponse:
+    body = ErrorResponse(error=ErrorBody(message=message, type=type_, param=param, code=code))
+    return JSONResponse(status_code=status, content=body.model_dump())
+
+
+# ---- reading the body -------------------------------------------------------------------------------
+
+
+def _too_large(size: str) -> ApiError:
+    return ApiError(413, f"the request body is {size} bytes; this server accepts at most {MAX_REQUEST_BYTES}",
+                    code="request_too_large")
+
+
+async def read_body(request) -> bytes:
+    """The raw body of a Starlette request, refused (413) once it passes MAX_REQUEST_BYTES."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise _too_large(declared)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_REQUEST_BYTES:
+            raise _too_large(f"more than {MAX_REQUEST_BYTES}")
+    return bytes(body)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """Strict JSON (no NaN / Infinity), a JSON object, at most MAX_JSON_DEPTH deep, every string
+    encodable as UTF-8 (JSON's \\ud800 escapes can name lone surrogates)."""
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not valid UTF-8") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as e:  # JSONDecodeError, NaN / Infinity, an integer of more than 4300 digits
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_tree(data)
+    return data
+
+
+def _encodable(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{path}: the string holds a lone surrogate (\\ud800-\\udfff), which cannot be encoded "
+                            "as UTF-8", param=path) from None
+
+
+def _check_tree(data: dict) -> None:
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _encodable(value, path)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ApiError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                               param=path or None)
+            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+                if isinstance(key, str):
+                    _encodable(key, f"{path or 'body'} (a key)")
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    """The first problem of a pydantic error as one line naming the field; a field tandem cannot
+    honour says why instead of pydantic's wording."""
+    first = e.errors()[0]
+    loc = [str(x) for x in first.get("loc", ())]
+    field = ".".join(loc) or "body"
+    names = loc[:1] + (loc[2:3] if loc[:1] == ["messages"] else [])  # field names, not a map's keys
+    reason = next((NOT_SERVED_REASONS[x] for x in names if x in NOT_SERVED_REASONS), None)
+    if reason is not None:
+        return ApiError(400, f"{field}: not supported by this server: {reason}", param=field,
+                        code="unsupported_parameter")
+    message = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]
+    return ApiError(400, f"{field}: {message}", param=field)
+
+
+MAX_WARNED = 100  # distinct ignored field names logged; random names from a fuzzer must not fill logs
+_warned: set[str] = set()  # ignored field names already logged by this process
+
+
+def _warn_once(names: list[str]) -> None:
+    for name in names:
+        if name not in _warned and len(_warned) < MAX_WARNED:
+            _warned.add(name)
+            log.warning("request field %r is accepted and ignored (logged once per process%s)", name,
+                        "; no more names will be logged" if len(_warned) == MAX_WARNED else "")
+
+
+def parse_request(raw: bytes, model: type[CompletionRequest] | type[ChatCompletionRequest]):
+    """A validated request from a raw body; ApiError (400) otherwise. Ignored fields are logged."""
+    try:
+        body = model.model_validate(parse_json_object(raw))
+    except ValidationError as e:
+        raise validation_error(e) from None
+    _warn_once(body.ignored_fields())
+    return body
+
+
+# ---- requests ---------------------------------------------------------------------------------------
+
+
+def not_served(default: Any, reason: str, **constraints) -> Any:
+    """A field tandem cannot honour: accepted only at its default (the type and `constraints` say
+    which values mean the default); any other value is refused with `reason`."""
+    return Field(default, description=NOT_SERVED + reason, **constraints)
+
+
+def ignored(description: str) -> Any:
+    """A field that changes nothing tandem serves: accepted, logged once, ignored."""
+    return Field(None, description=f"Accepted and ignored: {description}")
+
+
+class _Lenient(BaseModel):
+    """Unknown fields are kept in `model_extra` (then logged and ignored); `null` means the default,
+    as in OpenAI's API."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """Names of the fields this request sent that change nothing: unknown ones and `ignored(...)` ones."""
+        names = [prefix + k for k in self.model_extra or {}]
+        for name, info in type(self).model_fields.items():
+            if name not in self.model_fields_set:
+                continue
+            if (info.description or "").startswith("Accepted and ignored"):
+                names.append(prefix + name)
+            value = getattr(self, name)
+            items, inner = (value, f"{prefix}{name}[].") if isinstance(value, list) else ([value], f"{prefix}{name}.")
+            for item in items:
+                if isinstance(item, _Lenient):
+                    names += item.ignored_fields(inner)
+        return sorted(set(names))
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = Field(False, description="Send a last chunk carrying the request's usage.")
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far.")
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text"] = Field("text", description="Only plain text is served.")
+
+
+class _Common(_Lenient):
+    """Fields of both endpoints; `null` for any field means its default."""
+
+    model: str = Field(description="The served model id (see GET /v1/models).")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_UINT32, description="Most tokens to generate (default: the server's `default_max_tokens`, within the context length).")
+    temperature: Annotated[float, WithJsonSchema(_TEMPERATURE_SCHEMA)] = Field(1.0, ge=0.0, le=2.0, description=f"Softmax temperature; 0 is greedy decoding, else at least {MIN_POSITIVE_FLOAT}.")
+    top_p: float = Field(1.0, ge=MIN_POSITIVE_FLOAT, le=1.0, description="Nucleus sampling: keep the most likely tokens holding this much probability.")
+    top_k: int = Field(0, ge=-1, le=MAX_UINT32, description="Extension: keep the k most likely tokens (0 or -1 keeps all).")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed of a reproducible sample (random when unset).")
+    stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = Field(None, description=f"Up to {MAX_STOP} non-empty stop strings; the text ends before the first one.")
+    stream: bool = Field(False, description="Answer with server-sent events, one per group of new tokens.")
+    stream_options: StreamOptions | None = Field(None, description="With `stream`: usage reporting.")
+    ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
+    num_speculative_tokens: int | None = Field(None, ge=0, le=32, description="Extension: cap on γ (draft length) for this request; 0 is plain decoding.")
+    return_token_ids: bool = Field(False, description="Extension: each choice also carries the generated token ids.")
+    n: int = not_served(1, "one completion per request (n = 1); send n requests instead", ge=1, le=1)
+    presence_penalty: float = not_served(0.0, "penalties change the target's distribution; only 0 is served", ge=0.0, le=0.0)
+    frequency_penalty: float = not_served(0.0, "penalties change the target's distribution; only 0 is served", ge=0.0, le=0.0)
+    repetition_penalty: float = not_served(1.0, "penalties change the target's distribution; only 1 is served", ge=1.0, le=1.0)
+    min_p: float = not_served(0.0, "min-p sampling; only 0 is served", ge=0.0, le=0.0)
+    min_tokens: int = not_served(0, "a minimum output length; only 0 is served", ge=0, le=0)
+    logit_bias: dict[str, float] | None = not_served(None, "logit bias; only an empty map is served", max_length=0)
+    stop_token_ids: list[int] | None = not_served(None, "stop token ids; use `stop` strings", max_length=0)
+    include_stop_str_in_output: Literal[False] = not_served(False, "the stop string is never included in the output")
+    skip_special_tokens: Literal[True] = not_served(True, "special tokens are always left out of the text")
+    use_beam_search: Literal[False] = not_served(False, "beam search")
+    user: str | None = ignored("an end-user id (OpenAI's abuse monitoring).")
+    metadata: dict[str, str] | None = ignored("stored-completion tags.")
+    store: bool | None = ignored("tandem stores no completions.")
+    service_tier: str | None = ignored("there is one tier.")
+    prompt_cache_key: str | None = ignored("a prompt-cache routing hint.")
+    safety_identifier: str | None = ignored("an end-user id (OpenAI's abuse monitoring).")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _strings(cls, stop: Any) -> Any:
+        if isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            return stop
+        raise ValueError("must be a string or a list of strings")
+
+    @field_validator("top_k")
+    @classmethod
+    def _minus_one_keeps_all(cls, top_k: int) -> int:
+        return 0 if top_k == -1 else top_k
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _float32(cls, value: float) -> float:
+        """The value protobuf's float carries, so that the drafter (reached through Ray) and the verifier
+        (through protobuf) process p and q with the same number."""
+        if 0.0 < value < MIN_POSITIVE_FLOAT:
+            raise ValueError(f"must be 0 or at least {MIN_POSITIVE_FLOAT} (smaller values cannot be carried)")
+        return struct.unpack("f", struct.pack("f", value))[0]
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def usage_options(self) -> StreamOptions:
+        return self.stream_options or StreamOptions()
+
+
+def _is_integer(value: Any) -> bool:
+    """An integer as JSON Schema counts them (1.0 is one), not a boolean."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions."""
+
+    prompt: Annotated[str | list[int], WithJsonSchema(_PROMPT_SCHEMA)] = Field(description="A string, a list of one string, or token ids (each below the vocabulary size).")
+    logprobs: None = not_served(None, "log probabilities are not returned")
+    echo: Literal[False] = not_served(False, "the prompt is not echoed")
+    best_of: int | None = not_served(None, "one candidate per request (best_of = 1)", ge=1, le=1)
+    suffix: str | None = not_served(None, "insertion (suffix); only an empty one is served", max_length=0)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise ValueError("only one prompt per request is served (send one request per prompt)")
+            return prompt[0]
+        if isinstance(prompt, list) and all(_is_integer(t) for t in prompt):
+            return [int(t) for t in prompt]
+        raise ValueError("must be a string, a list of one string, or a list of token ids")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"] = Field(description="Only text parts are served.")
+    text: str = Field(description="The text.")
+
+
+class ChatMessage(_Lenient):
+    """One message of the conversation; the chat template of the target turns them into the prompt."""
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(description="Who speaks; `developer` is read as `system`.")
+    content: str | list[TextPart] = Field(description="A string, or text content parts.")
+    name: str | None = ignored("a participant name (the chat template has no place for it).")
+    tool_calls: list[Any] | None = not_served(None, "tool calling", max_length=0)
+    tool_call_id: None = not_served(None, "tool calling")
+    function_call: None = not_served(None, "function calling")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+                return content
+            raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are served")
+        if not isinstance(content, str):
+            raise ValueError("must be a string or a list of text content parts")
+        return content
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_UINT32, description="Alias of max_tokens (wins when both are set).")
+    logprobs: Literal[False] = not_served(False, "log probabilities are not returned")
+    top_logprobs: int | None = not_served(None, "log probabilities are not returned", ge=0, le=0)
+    tools: list[Any] | None = not_served(None, "tool calling; only an empty list is served", max_length=0)
+    functions: list[Any] | None = not_served(None, "function calling; only an empty list is served", max_length=0)
+    tool_choice: Literal["none"] | None = not_served(None, "tool calling; only 'none' is served")
+    function_call: Literal["none"] | None = not_served(None, "function calling; only 'none' is served")
+    response_format: ResponseFormat | None = not_served(None, "only {'type': 'text'} is served (no JSON mode or structured outputs)")
+    parallel_tool_calls: bool | None = ignored("there are no tools.")
+
+
+NOT_SERVED_REASONS = {name: info.description.removeprefix(NOT_SERVED)
+                      for cls in (CompletionRequest, ChatCompletionRequest, ChatMessage)
+                      for name, info in cls.model_fields.items()
+                      if (info.description or "").startswith(NOT_SERVED)}

@@ -1,0 +1,185 @@
+"""The OpenAI-compatible HTTP API's responses: JSON bodies, streamed chunks, and the OpenAPI document
+that describes them with the request models (`deployments/openai_api.py`).
+
+Streams are documented as OpenAPI 3.2 describes server-sent events: `text/event-stream` with an
+`itemSchema` per event whose `data` is a JSON chunk (or an error) and, last, `[DONE]`; schema-driven
+tools (schemathesis) check each event against it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
+
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from protos import MAX_REQUEST_BYTES
+
+FinishReason = Literal["stop", "length"]
+FINISH = "`stop`: end of sequence or a stop string; `length`: max_tokens."
+TOKEN_IDS = "Extension (with `return_token_ids`): the generated token ids."
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(description="Tokens of the prompt (after the chat template).")
+    completion_tokens: int = Field(description="Tokens generated (so far, in a streamed chunk).")
+    total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
+
+
+class Speculation(BaseModel):
+    """Extension: this request's speculation figures (DESIGN.md's vocabulary)."""
+
+    drafted: int = Field(description="Draft tokens proposed.")
+    accepted: int = Field(description="Draft tokens the target accepted.")
+    acceptance_rate: float = Field(description="accepted / drafted.")
+    mean_accepted_length: float = Field(description="Tokens committed per verification round.")
+    rounds: int = Field(description="Verification rounds.")
+    accepted_per_position: list[int] = Field(description="Accepted tokens at each draft position.")
+    drafted_per_position: list[int] = Field(description="Drafted tokens at each draft position.")
+    gamma_counts: list[int] = Field(description="Rounds that drafted γ tokens, indexed by γ.")
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(description="Always 0.")
+    text: str = Field(description="The generated text.")
+    finish_reason: FinishReason = Field(description=FINISH)
+    logprobs: None = Field(None, description="Always null.")
+    token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(description="Unix time.")
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    speculation: Speculation
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str = Field(description="The generated text.")
+
+
+class ChatChoice(BaseModel):
+    index: int = Field(description="Always 0.")
+    message: AssistantMessage
+    finish_reason: FinishReason = Field(description=FINISH)
+    logprobs: None = Field(None, description="Always null.")
+    token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(description="Unix time.")
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    speculation: Speculation
+
+
+class ModelCard(BaseModel):
+    id: str = Field(description="The name to pass as `model`.")
+    object: Literal["model"] = "model"
+    created: int = Field(description="Unix time the server started.")
+    owned_by: str
+    max_model_len: int = Field(description="The model's context length in tokens.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+# ---- streamed chunks (one per server-sent event) ----------------------------------------------------
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int = Field(description="Always 0.")
+    text: str = Field(description="New text since the previous chunk.")
+    finish_reason: FinishReason | None = Field(description=f"Set on the last chunk: {FINISH}")
+    logprobs: None = Field(None, description="Always null.")
+    token_ids: list[int] | None = Field(None, description=f"{TOKEN_IDS} New ones since the previous chunk.")
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(description="Unix time.")
+    model: str
+    choices: list[CompletionChunkChoice] = Field(description="One choice; empty in the usage-only last chunk.")
+    usage: Usage | None = Field(None, description="With `stream_options.include_usage`: in a last chunk; with `continuous_usage_stats`: in every chunk.")
+    speculation: Speculation | None = Field(None, description="On the chunk that carries the finish reason.")
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, description="On the first chunk.")
+    content: str | None = Field(None, description="New text since the previous chunk.")
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = Field(description="Always 0.")
+    delta: Delta
+    finish_reason: FinishReason | None = Field(description=f"Set on the last chunk: {FINISH}")
+    logprobs: None = Field(None, description="Always null.")
+    token_ids: list[int] | None = Field(None, description=f"{TOKEN_IDS} New ones since the previous chunk.")
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(description="Unix time.")
+    model: str
+    choices: list[ChatChunkChoice] = Field(description="One choice; empty in the usage-only last chunk.")
+    usage: Usage | None = Field(None, description="With `stream_options.include_usage`: in a last chunk; with `continuous_usage_stats`: in every chunk.")
+    speculation: Speculation | None = Field(None, description="On the chunk that carries the finish reason.")
+
+
+# ---- the OpenAPI document ---------------------------------------------------------------------------
+
+_ERRORS = {400: "A malformed or unsupported request.", 401: "A missing or wrong API key.",
+           404: "An unknown model.", 413: f"A body of more than {MAX_REQUEST_BYTES} bytes.",
+           503: "The server cannot carry the request now (its queue is full: see Retry-After; or its router "
+                "kept failing); try again.",
+           504: "The request ran past the server's `request_timeout_s`."}
+_DOCUMENTED_ELSEWHERE = [CompletionRequest, ChatCompletionRequest, CompletionChunk, ChatCompletionChunk]
+
+
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def route_docs(request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel]) -> dict:
+    """FastAPI route keywords that document a route whose handler reads the raw body itself (so
+    that the size, depth and encoding bounds apply before parsing)."""
+    event = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}}}
+    return {
+        "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}}},
+        "responses": {200: {"model": response, "description": "The completion; with `stream`, server-sent events: "
+                                                               "one chunk each, then `[DONE]`.",
+                            "content": {"text/event-stream": {"itemSchema": event}}},
+                      **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}},
+    }
+
+
+def openapi_document(app) -> dict:
+    """FastAPI's document plus the request and chunk models that `route_docs` refers to."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _, schemas = models_json_schema([(model, "validation") for model in _DOCUMENTED_ELSEWHERE],
+                                        ref_template="#/components/schemas/{model}")
+        document.setdefault("components", {}).setdefault("schemas", {}).update(schemas["$defs"])
+        app.openapi_schema = document
+    return app.openapi_schema

@@ -133,7 +133,8 @@ class Drafter:
     def stats(self) -> dict:
         with self._cond:
             backlog = sum(1 for op, _, _ in self._queue if op == "propose")
-        return {"draft_s": self.draft_s, "idle_s": self.idle_s, "batches": self.batches, "backlog": backlog}
+        return {"draft_s": self.draft_s, "idle_s": self.idle_s, "batches": self.batches, "backlog": backlog,
+                "sessions": self.proposer.num_sessions}
 
     def pid(self) -> int:
         return os.getpid()

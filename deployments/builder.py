@@ -18,7 +18,8 @@ SESSION_POOL_POLICY = "deployments.autoscaling:session_pool_policy"
 
 
 def _options(spec: DeploymentSpec, name: str, policy: str | None = None) -> dict:
-    return {"name": name, "max_ongoing_requests": spec.max_ongoing_requests, **spec.replica_options(policy)}
+    return {"name": name, "max_ongoing_requests": spec.max_ongoing_requests,
+            "max_queued_requests": spec.max_queued_requests, **spec.replica_options(policy)}
 
 
 def _check_tensor_parallel(config: TandemAppConfig) -> None:

@@ -47,6 +47,7 @@ class DeploymentSpec(BaseModel):
     num_replicas: int = Field(1, ge=1, le=1024, description="Fixed replica count (ignored when `autoscaling` is set).")
     autoscaling: AutoscalingSpec | None = Field(None, description="Autoscale between bounds instead of a fixed count.")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests (sessions, for verifier and drafter) one replica takes at once; more wait in Serve's queue.")
+    max_queued_requests: int = Field(-1, ge=-1, description="Requests that may wait for a replica beyond `max_ongoing_requests` (per caller; -1: unbounded). For the router this is the admission bound: past it a request is refused at once (HTTP 503 with Retry-After, gRPC RESOURCE_EXHAUSTED).")
     placement: PlacementConfig = Field(default_factory=lambda: PlacementConfig(num_cpus=0.0),
                                        description="Resources per replica (per rank for the verifier pool; of the drafter actor for the drafter).")
 
@@ -90,6 +91,8 @@ class TandemAppConfig(BaseModel):
     max_tokens_limit: int | None = Field(None, ge=1, description="Refuse requests asking for more tokens (None: only the context length limits).")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty: no authentication.")
     failover: FailoverConfig = Field(default_factory=FailoverConfig, description="Resuming streams whose router replica died.")
+    request_timeout_s: float | None = Field(None, gt=0, description="Optional per-request deadline: a request still running after this long ends with HTTP 504 / gRPC DEADLINE_EXCEEDED (an error event once streaming).")
+    retry_after_s: int = Field(1, ge=0, description="The Retry-After a refused (overloaded) request is given.")
     ingress: DeploymentSpec = Field(default_factory=DeploymentSpec, description="The HTTP / gRPC ingress (tokenizer, validation, SSE).")
     router: DeploymentSpec = Field(default_factory=DeploymentSpec, description="Routers: drive sessions, own committed tokens.")
     drafter: DeploymentSpec = Field(default_factory=_default_drafter, description="Drafters: the draft model on a cheap accelerator.")

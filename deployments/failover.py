@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass, field
 
 import ray.exceptions
-from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.util import metrics
 
 from cluster.sampling import SamplingParams
@@ -50,23 +50,38 @@ class FailoverMetrics:
 
 
 async def resumable_stream(router, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None,
-                           max_resumes: int, resume_delay_s: float, failover_metrics: FailoverMetrics | None = None):
+                           max_resumes: int, resume_delay_s: float, failover_metrics: FailoverMetrics | None = None,
+                           timeout_s: float | None = None):
     """The router's chunks for one request, resumed on another router replica when the one carrying it
     dies (at most `max_resumes` times; then one {"error": ...} chunk of type "service_unavailable").
+    Past the routers' queue bound: one error chunk of type "overloaded"; past `timeout_s`: "timeout".
     Cancelled (its router session with it) when the caller goes away."""
     params = params.with_seed()  # the same seed on every attempt
     progress = SessionProgress()
     attempt = 0
+    deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
     while True:
-        stream = router.options(stream=True).generate.remote(
-            prompt_ids, params.model_dump(), max_speculative_tokens, progress if attempt else None)
+        stream = None
         try:
-            async for chunk in stream:
-                if "error" not in chunk and "finish_reason" not in chunk:
-                    progress.add(chunk)
-                yield chunk
+            stream = router.options(stream=True).generate.remote(
+                prompt_ids, params.model_dump(), max_speculative_tokens, progress if attempt else None)
+            async with asyncio.timeout_at(deadline):
+                async for chunk in stream:
+                    if "error" not in chunk and "finish_reason" not in chunk:
+                        progress.add(chunk)
+                    yield chunk
+            return
+        except BackPressureError:
+            stream = None  # never assigned to a replica: nothing to cancel (cancel() would raise it again)
+            yield {"error": {"message": "the server is at capacity (its request queue is full); retry shortly",
+                             "type": "overloaded"}}
+            return
+        except TimeoutError:
+            yield {"error": {"message": f"the request did not finish within this server's limit of {timeout_s:g} s "
+                                        f"({len(progress.token_ids)} tokens sent)", "type": "timeout"}}
             return
         except ROUTER_DEATHS as e:
+            stream = None  # its replica is gone
             attempt += 1
             if attempt > max_resumes:
                 log.error("request gave up after %d router failures; last: %s", attempt, e)
@@ -79,4 +94,5 @@ async def resumable_stream(router, prompt_ids: list[int], params: SamplingParams
                 failover_metrics.failovers.inc()
             await asyncio.sleep(resume_delay_s)
         finally:
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()

@@ -14,6 +14,7 @@ through Serve's request path; verifier calls carry the cluster secret, which rou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 
@@ -31,6 +32,21 @@ log = logging.getLogger(__name__)
 
 async def _hold(cancelled: asyncio.Event) -> None:
     await cancelled.wait()
+
+
+class _Leases:
+    """Open leases of one pool replica (Serve's ongoing requests on it), for leak checks."""
+
+    def __init__(self) -> None:
+        self.open = 0
+
+    @contextlib.contextmanager
+    def held(self):
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
 
 
 class VerifierPool:
@@ -54,6 +70,7 @@ class VerifierPool:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
                 ).remote(engine_config, name, rank, tensor_parallel_size, port))
         self.rank0 = VerifierRank(engine_config, name, 0, tensor_parallel_size, port)
+        self.leases = _Leases()
         self.name = name
         endpoint = self.rank0.endpoint()
         log.info("verifier replica %s serving on %s%s (tensor_parallel_size=%d)", name, endpoint.address,
@@ -63,11 +80,15 @@ class VerifierPool:
         """Yields this replica's gRPC endpoint, then holds the session until the caller cancels."""
         if self.rank0.broken():  # until Serve's health check replaces this replica
             raise RuntimeError(f"verifier replica {self.name} is being replaced: {self.rank0.broken()}")
-        yield self.rank0.endpoint()
-        await _hold(asyncio.Event())
+        with self.leases.held():
+            yield self.rank0.endpoint()
+            await _hold(asyncio.Event())
 
     def sessions(self) -> int:
         return self.rank0.engine.num_sessions
+
+    def open_leases(self) -> int:
+        return self.leases.open
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"sessions": float(self.sessions())}
@@ -93,11 +114,20 @@ class DrafterPool:
             max_restarts=-1, max_task_retries=0, max_concurrency=256,
         ).remote(engine_config)
         ray.get(self.actor.ready.remote(), timeout=600)
+        self.leases = _Leases()
 
     async def lease(self, session: str):
         """Yields the drafter actor's handle, then holds the session until the caller cancels."""
-        yield self.actor
-        await _hold(asyncio.Event())
+        with self.leases.held():
+            yield self.actor
+            await _hold(asyncio.Event())
+
+    def sessions(self) -> int:
+        """Sessions the drafter actor holds state for."""
+        return ray.get(self.actor.stats.remote(), timeout=30)["sessions"]
+
+    def open_leases(self) -> int:
+        return self.leases.open
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"drafting_backlog": float(ray.get(self.actor.stats.remote(), timeout=10)["backlog"])}

@@ -171,5 +171,9 @@ class RouterDeployment:
         finally:
             cancelled.set()  # a no-op when finished; stops the session when the caller went away
 
+    def sessions(self) -> int:
+        """Requests this replica is generating or holding for a session thread."""
+        return self._active + self._waiting
+
     def check_health(self) -> None:
         self._record_router_metrics()

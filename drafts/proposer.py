@@ -77,6 +77,10 @@ class SequenceProposer:
         self._tokens[session] = list(prompt_ids)
         self._params[session] = params
 
+    @property
+    def num_sessions(self) -> int:
+        return len(self._tokens)
+
     def tokens(self, session: SessionId) -> list[int]:
         try:
             return self._tokens[session]

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RAYSERVICE = ROOT / "cluster" / "kuberay" / "rayservice.yaml"
 LAUNCHER = ROOT / "cluster" / "launcher" / "tandem-cluster.yaml"
 LAUNCHER_SERVE = ROOT / "cluster" / "launcher" / "serve.yaml"
-CLUSTER_ONLY = {"placement", "autoscaling", "num_replicas", "tensor_parallel_size"}  # what a cluster changes
+CLUSTER_ONLY = {"placement", "autoscaling", "num_replicas", "tensor_parallel_size", "max_ongoing_requests",
+                "max_queued_requests"}  # what a cluster changes
 
 
 def _strip(value):

@@ -32,7 +32,7 @@ PROMPTS = [
     ("Explain what a hash table is.", True),
     ("import os\n\ndef list_files(path):\n", False),
 ]
-MAX_RESUMES = 2
+MAX_RESUMES = 1
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +55,11 @@ def client(server):
     return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _router_replica():
-    """The live router replica actor (Serve names replicas SERVE_REPLICA::app#Deployment#id)."""
+def _replica(prefix: str):
+    """(name, handle) of the live actor whose name starts with `prefix` (Serve replicas are named
+    SERVE_REPLICA::app#Deployment#id; drafter actors tandem-drafter-app-id)."""
     for info in ray.util.list_named_actors(all_namespaces=True):
-        if info["name"].startswith("SERVE_REPLICA::tandem#Router"):
+        if info["name"].startswith(prefix):
             try:
                 return info["name"], ray.get_actor(info["name"], namespace=info["namespace"])
             except ValueError:  # listed but already dead
@@ -66,11 +67,42 @@ def _router_replica():
     return None, None
 
 
-def _kill_router() -> str:
-    name, actor = _router_replica()
-    assert actor is not None, "no router replica"
-    ray.kill(actor, no_restart=True)
+ROUTER = "SERVE_REPLICA::tandem#Router"
+VICTIMS = {"router": ROUTER, "verifier": "SERVE_REPLICA::tandem#VerifierPool", "drafter": "tandem-drafter-tandem-"}
+
+
+def _router_replica():
+    return _replica(ROUTER)
+
+
+def _kill(victim: str = "router") -> str:
+    """SIGKILL one actor; Serve replaces router and verifier replicas, Ray restarts the drafter actor."""
+    name, actor = _replica(VICTIMS[victim])
+    assert actor is not None, f"no {victim}"
+    ray.kill(actor, no_restart=victim != "drafter")
     return name
+
+
+def _kill_router() -> str:
+    return _kill("router")
+
+
+def _grpc_stream(server, prompt: str, chat: bool, on_chunk, max_tokens: int) -> tuple[list[int], str, int]:
+    """A greedy gRPC Generate stream's token ids, text and completion_tokens."""
+    channel = grpc.insecure_channel(server.grpc)
+    if chat:
+        request = pb.GenerateRequest(model=MODEL, messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=prompt)]),
+                                     params=pb.SamplingParams(max_tokens=max_tokens))
+    else:
+        request = pb.GenerateRequest(model=MODEL, prompt=prompt, params=pb.SamplingParams(max_tokens=max_tokens))
+    ids, text, completion = [], "", 0
+    for response in rpc.GenerationStub(channel).Generate(request, metadata=(("application", "tandem"),), timeout=600):
+        ids += response.token_ids
+        text += response.text
+        completion = response.completion_tokens or completion
+        on_chunk(ids)
+    channel.close()
+    return ids, text, completion
 
 
 def _stream(client, prompt: str, chat: bool, on_chunk=None, **params) -> tuple[list[int], str, object]:
@@ -92,31 +124,43 @@ def _stream(client, prompt: str, chat: bool, on_chunk=None, **params) -> tuple[l
     return ids, text, usage
 
 
-def test_eight_streams_survive_a_router_kill(server, client, tokenizer, prompt_ids, references):
-    """8 concurrent greedy streams; the router replica is killed once every stream has sent tokens."""
-    started = [threading.Event() for _ in PROMPTS]
-    before = [0] * len(PROMPTS)
+@pytest.mark.parametrize("victim", ["router", "verifier", "drafter"])
+def test_sixteen_streams_survive_a_kill(server, client, tokenizer, prompt_ids, references, victim):
+    """16 concurrent greedy streams (12 HTTP, 4 gRPC); once every stream has sent tokens the router
+    replica (streams resumed by the ingress), the verifier replica (sessions replayed by the router)
+    or the drafter (plain decoding) is killed: every stream completes with the reference tokens, its
+    text once, the same usage."""
+    n = 2 * len(PROMPTS)
+    started = [threading.Event() for _ in range(n)]
+    before = [0] * n
 
     def one(i: int):
+        prompt, chat = PROMPTS[i % len(PROMPTS)]
+
         def seen(ids):
             if ids and not started[i].is_set():
                 before[i] = len(ids)
                 started[i].set()
-        return _stream(client, PROMPTS[i][0], PROMPTS[i][1], on_chunk=seen, max_tokens=MAX_TOKENS, temperature=0)
+        if i % 4 == 3:
+            ids, text, completion = _grpc_stream(server, prompt, chat, seen, MAX_TOKENS)
+            return ids, text, completion
+        ids, text, usage = _stream(client, prompt, chat, on_chunk=seen, max_tokens=MAX_TOKENS, temperature=0)
+        return ids, text, usage.completion_tokens
 
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(one, i) for i in range(len(PROMPTS))]
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(one, i) for i in range(n)]
         for event in started:
             assert event.wait(300), "a stream sent nothing"
-        killed = _kill_router()
+        killed = _kill(victim)
         results = [f.result(timeout=600) for f in futures]
-    assert _router_replica()[0] != killed  # Serve started another replica, which finished the streams
-    for i, (ids, text, usage) in enumerate(results):
-        ref = references[tuple(prompt_ids[i])]
+    if victim != "drafter":
+        assert _replica(VICTIMS[victim])[0] != killed  # Serve started another replica
+    for i, (ids, text, completion) in enumerate(results):
+        ref = references[tuple(prompt_ids[i % len(PROMPTS)])]
         assert ids == ref, f"stream {i} differs from transformers' greedy output"
         assert text == tokenizer.decode(ref, skip_special_tokens=True), f"stream {i}: text repeated or missing"
-        assert usage.completion_tokens == len(ref) and usage.prompt_tokens == len(prompt_ids[i])
-    assert any(before[i] < len(results[i][0]) for i in range(len(PROMPTS))), "the kill came after every stream ended"
+        assert completion == len(ref)
+    assert any(before[i] < len(results[i][0]) for i in range(n)), "the kill came after every stream ended"
 
 
 def test_seeded_sampled_stream_resumed_equals_uninterrupted(server, client):

@@ -61,21 +61,32 @@ def _parser() -> argparse.ArgumentParser:
 
     drafts_p = sub.add_parser("drafts", help="make and check drafts for a target")
     drafts_sub = drafts_p.add_subparsers(dest="drafts_command", required=True)
-    dist = drafts_sub.add_parser("distill", help="train a small draft on the target's own distributions")
+    dist = drafts_sub.add_parser("distill", help="train a draft on the target's own distributions")
+    dist.add_argument("--kind", choices=["small", "feature"], default="small",
+                      help="small: a few of the target's layers; feature: an EAGLE-style draft fed the target's "
+                           "last hidden state")
     dist.add_argument("--out", required=True, help="draft directory (resumes from its checkpoint when present)")
     dist.add_argument("--target", default="default")
-    dist.add_argument("--layers", default="0,1,29", help="target layers the draft's layers start from")
+    dist.add_argument("--layers", default="0,1,29", help="small: target layers the draft's layers start from")
     dist.add_argument("--vocab-size", type=int, default=8192, help="reduced head: most frequent corpus tokens (0: all)")
     dist.add_argument("--self-speculative", action="store_true",
-                      help="train only an exit head over the target's own first L layers (--layers 0..L-1)")
-    dist.add_argument("--max-tokens", type=int, default=400_000, help="training token budget")
-    dist.add_argument("--max-minutes", type=float, default=0.0, help="time budget (0: none)")
-    dist.add_argument("--chat-samples", type=int, default=64, help="target-generated chat answers in the corpus")
+                      help="small: train only an exit head over the target's own first L layers (--layers 0..L-1)")
+    dist.add_argument("--max-tokens", type=int,
+                      help="training token budget (small, default 400000) or distinct training tokens whose "
+                           "target features are cached (feature, default 1000000)")
+    dist.add_argument("--max-minutes", type=float, default=0.0,
+                      help="time budget (0: none); feature: the whole call, data and features included")
+    dist.add_argument("--chat-samples", type=int, help="target-generated chat answers in the corpus (default: "
+                                                       "64 small, 192 feature)")
     dist.add_argument("--seq-len", type=int, default=128)
     dist.add_argument("--batch-size", type=int, default=8)
-    dist.add_argument("--lr", type=float, default=3e-4)
+    dist.add_argument("--lr", type=float, help="peak learning rate (default: 3e-4 small, 1e-3 feature)")
     dist.add_argument("--seed", type=int, default=0)
-    dist.add_argument("--threads", type=int, default=2)
+    dist.add_argument("--threads", type=int, help="torch threads (default: 2 small, 1 feature)")
+    dist.add_argument("--epochs", type=int, help="feature: passes over the cached windows (default 8)")
+    dist.add_argument("--feature-weight", type=float, help="feature: weight of the feature regression (default 1)")
+    dist.add_argument("--feature-noise", type=float, help="feature: std of the noise on input features (default 0.02)")
+    dist.add_argument("--eval-every", type=int, help="feature: steps between evaluations and checkpoints (default 500)")
     dist.add_argument("--cache-dir")
     val = drafts_sub.add_parser("validate", help="acceptance by position, cost ratio, predicted speedups; a gate")
     val.add_argument("--target", default="default")
@@ -152,17 +163,38 @@ def _drafts(args) -> int:
     target_path = models.resolve_model_path(args.target, args.cache_dir)
     tokenizer = models.load_tokenizer(target_path)
     if args.drafts_command == "distill":
+        from cluster.errors import ConfigError
         from cluster.workloads import CHAT_PROMPTS, humaneval_prompts
+
+        def given(*names):
+            return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+        held_out = set(humaneval_prompts()) | set(CHAT_PROMPTS)
+        shared = given("max_tokens", "lr", "chat_samples", "threads")
+        if args.kind == "feature":
+            from drafts.feature_draft import FeatureDistillConfig, distill_feature
+
+            if args.self_speculative or args.vocab_size <= 0:
+                raise ConfigError("--kind feature takes neither --self-speculative nor --vocab-size 0")
+            config = FeatureDistillConfig(**shared, **given("epochs", "feature_weight", "feature_noise", "eval_every"),
+                                          max_minutes=args.max_minutes, vocab_size=args.vocab_size, seed=args.seed,
+                                          seq_len=args.seq_len, batch_size=args.batch_size)
+            torch.set_num_threads(config.threads)
+            target = models.load_causal_lm(target_path, "bfloat16", "cpu")
+            print(json.dumps(distill_feature(target, tokenizer, args.out, config, held_out), indent=1))
+            return 0
+        feature_only = given("epochs", "feature_weight", "feature_noise", "eval_every")
+        if feature_only:
+            raise ConfigError(f"--{next(iter(feature_only)).replace('_', '-')} needs --kind feature")
         from drafts.distill import DistillConfig, distill
 
         config = DistillConfig(layers=[int(x) for x in args.layers.split(",")], vocab_size=args.vocab_size,
                                self_speculative=args.self_speculative, seq_len=args.seq_len,
-                               batch_size=args.batch_size, lr=args.lr, max_tokens=args.max_tokens,
-                               max_minutes=args.max_minutes, chat_samples=args.chat_samples, seed=args.seed,
-                               threads=args.threads)
-        torch.set_num_threads(args.threads)
+                               batch_size=args.batch_size, max_minutes=args.max_minutes, seed=args.seed,
+                               **{"max_tokens": 400_000, "lr": 3e-4, "chat_samples": 64, "threads": 2, **shared})
+        torch.set_num_threads(config.threads)
         target = models.load_causal_lm(target_path, "bfloat16", "cpu")
-        report = distill(target, tokenizer, args.out, config, held_out=set(humaneval_prompts()) | set(CHAT_PROMPTS))
+        report = distill(target, tokenizer, args.out, config, held_out=held_out)
         print(json.dumps(report, indent=1))
         return 0
 

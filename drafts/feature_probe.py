@@ -16,37 +16,13 @@ import random
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from cluster import models
 from cluster.workloads import humaneval_prompts, CHAT_PROMPTS
 from cluster.engine import encode_prompt
 from drafts.distill import stdlib_texts, build_corpus, frequent_vocab
-
-
-class FeatureDraft(nn.Module):
-    def __init__(self, target, vocab):
-        super().__init__()
-        from transformers import LlamaModel
-        c = copy.deepcopy(target.config); c.num_hidden_layers = 1
-        self.body = LlamaModel(c)
-        self.body.layers[0].load_state_dict(target.model.layers[-1].state_dict())
-        self.body.norm.load_state_dict(target.model.norm.state_dict())
-        self.body.embed_tokens = None
-        self.embed = nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().float().clone(), freeze=True)
-        H = c.hidden_size
-        self.fc = nn.Linear(2 * H, H)
-        with torch.no_grad():  # start as "feature + embedding"
-            self.fc.weight.zero_(); self.fc.weight[:, :H].copy_(torch.eye(H)); self.fc.weight[:, H:].copy_(torch.eye(H)); self.fc.bias.zero_()
-        self.register_buffer("vocab", vocab)
-        self.head = nn.Parameter(target.lm_head.weight[vocab].detach().float().clone(), requires_grad=False)
-    def forward(self, feats, next_ids, past=None, pos=None):
-        x = self.fc(torch.cat([feats, self.embed(next_ids).to(feats.dtype)], -1))
-        out = self.body(inputs_embeds=x, past_key_values=past, use_cache=past is not None, position_ids=pos)
-        return out.last_hidden_state, out.past_key_values
-    def logits(self, f):
-        return f @ self.head.T
+from drafts.feature_draft import FeatureDraft
 
 
 def main() -> None:
@@ -78,7 +54,6 @@ def main() -> None:
         return target.model(input_ids=ids).last_hidden_state.float()
 
     draft = FeatureDraft(target, vocab).float()
-    for p in draft.embed.parameters(): p.requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
     print("draft trainable params", sum(p.numel() for p in params), flush=True)
 

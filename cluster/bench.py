@@ -19,37 +19,12 @@ from cluster.runner import TorchModelRunner
 from cluster.sampling import SamplingParams
 from cluster.speculate import SpeculationStats, SpeculativeDecoder
 from cluster.workloads import workload
+from drafts.cost_model import effective_alpha, predicted_speedup
 from drafts.draft_model import DraftModelProposer, quantized_copy
 from drafts.ngram import NGramProposer
 from drafts.small_draft import draft_path, load_draft
 
 log = logging.getLogger(__name__)
-
-
-def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-    """E = (1 - α^(γ+1)) / (1 - α): tokens per verification round (Leviathan et al. 2023)."""
-    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def effective_alpha(tokens_per_round: float, gamma: int) -> float:
-    """The α for which E(α, γ) equals the measured tokens per round (bisection).
-
-    Acceptances are not independent across draft positions (easy stretches are accepted whole), so
-    neither accepted ÷ drafted nor the first-position rate reproduces the measured E; this does.
-    """
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_tokens_per_round(mid, gamma) < tokens_per_round else (lo, mid)
-    return (lo + hi) / 2
-
-
-def predicted_sequential_speedup(alpha: float, gamma: int, c: float) -> float:
-    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0)
-
-
-def predicted_pipelined_speedup(alpha: float, gamma: int, c: float) -> float:
-    return expected_tokens_per_round(alpha, gamma) / max(1.0, gamma * c)
 
 
 @dataclass
@@ -161,7 +136,7 @@ def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: in
             if mode in spec_modes:
                 c = (s.draft_s / s.drafted) / step_s if s.drafted else 0.0
                 alpha = effective_alpha(s.mean_accepted_length, gamma)
-                predicted = predicted_sequential_speedup(alpha, gamma, c)
+                predicted = predicted_speedup(alpha, gamma, c)
                 row.update(acceptance_rate=s.acceptance_rate, alpha=alpha,
                            mean_accepted_length=s.mean_accepted_length,
                            acceptance_per_position=[a / d if d else 0.0 for a, d in
@@ -169,7 +144,7 @@ def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: in
                            cost_ratio_c=c,
                            verify_step_ratio=(s.verify_s / s.rounds) / step_s if s.rounds else 0.0,
                            predicted_speedup=predicted,
-                           predicted_pipelined_speedup=predicted_pipelined_speedup(alpha, gamma, c),
+                           predicted_pipelined_speedup=predicted_speedup(alpha, gamma, c, pipelined=True),
                            fraction_of_predicted=row["speedup"] / predicted if predicted else 0.0)
             entry[mode] = row
         report["workloads"][name] = entry

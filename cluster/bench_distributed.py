@@ -9,12 +9,12 @@ import time
 
 import ray
 
-from cluster.bench import effective_alpha, predicted_pipelined_speedup, predicted_sequential_speedup
 from cluster.engine import EngineConfig, encode_prompt
 from cluster.pipeline_model import pipelined_ceiling
 from cluster.runtime import ClusterConfig, TandemCluster, init_local_ray
 from cluster.sampling import SamplingParams
 from cluster.workloads import workload
+from drafts.cost_model import effective_alpha, predicted_speedup
 
 MODES = {  # mode -> (proposer on, pipeline_depth, fill_bubbles)
     "target_only": (False, 1, False),
@@ -112,8 +112,8 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
     alpha, c = seq["alpha"], seq["cost_ratio_c"]
     report["pipelined_over_sequential"] = pipe["tokens_per_s"] / seq["tokens_per_s"]
     report["fill_gain"] = pipe["tokens_per_s"] / report["modes"]["pipelined_no_fill"]["tokens_per_s"]
-    report["predicted_sequential_speedup"] = predicted_sequential_speedup(alpha, gamma, c)
-    report["pipelined_bound"] = predicted_pipelined_speedup(alpha, gamma, c)
+    report["predicted_sequential_speedup"] = predicted_speedup(alpha, gamma, c)
+    report["pipelined_bound"] = predicted_speedup(alpha, gamma, c, pipelined=True)
     report["pipelined_fraction_of_bound"] = pipe["speedup_vs_target_only"] / report["pipelined_bound"]
     # the ceiling of the router's own policy at this α and c (rejections included), from the model
     ceiling = pipelined_ceiling(alpha, c, gamma)

@@ -13,12 +13,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
+from cluster.messages import DraftReply, SyncOp
+from cluster.sampling import SamplingParams
+
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Propose:
+    """A queued `propose`: its sync ops are applied, then it is drafted with the others of its batch."""
+
+    session: str
+    k: int
+    sync: list[SyncOp]
 
 
 class Drafter:
@@ -53,7 +66,7 @@ class Drafter:
         self.max_batch = max_batch
         self.batches = 0
         self._cond = threading.Condition()
-        self._queue: list[tuple[str, tuple, Future]] = []
+        self._queue: list[tuple[_Propose | Callable[[], object], Future]] = []
         threading.Thread(target=self._loop, daemon=True, name="drafter-loop").start()
 
     def ready(self) -> str:
@@ -61,23 +74,23 @@ class Drafter:
 
     # -- calls (from Ray's threads): queued, executed by the one drafting thread ------------------
 
-    def _submit(self, op: str, *args):
+    def _submit(self, op: _Propose | Callable[[], object]):
         future: Future = Future()
         with self._cond:
-            self._queue.append((op, args, future))
+            self._queue.append((op, future))
             self._cond.notify()
         return future.result()
 
-    def start(self, session: str, prompt_ids: Sequence[int], params: dict) -> None:
-        return self._submit("start", session, list(prompt_ids), params)
+    def start(self, session: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        prompt_ids = list(prompt_ids)
+        return self._submit(lambda: self.proposer.start(session, prompt_ids, params))
 
-    def propose(self, session: str, k: int, sync: list[dict] | None = None) -> dict:
-        """Apply the `sync` ops in order (each: optional 'length' + 'token_ids' = rollback, optional
-        'num_drafted' + 'num_accepted' = learn), then draft k tokens."""
-        return self._submit("propose", session, k, sync)
+    def propose(self, session: str, k: int, sync: Sequence[SyncOp] = ()) -> DraftReply:
+        """Apply the `sync` ops in order (rollback, then learn, each where present), then draft k tokens."""
+        return self._submit(_Propose(session, k, list(sync)))
 
     def release(self, session: str) -> None:
-        return self._submit("release", session)
+        return self._submit(lambda: self.proposer.release(session))
 
     # -- the drafting thread -------------------------------------------------------------------
 
@@ -88,29 +101,24 @@ class Drafter:
                     self._cond.wait()
                 batch, self._queue = self._queue, []
             proposes: dict[str, tuple[int, Future]] = {}
-            for op, args, future in batch:
+            for op, future in batch:
                 try:
-                    if op == "propose":
-                        session, k, sync = args
-                        self._sync(session, sync)
-                        proposes[session] = (k, future)
-                    elif op == "start":
-                        from cluster.sampling import SamplingParams
-
-                        future.set_result(self.proposer.start(args[0], args[1], SamplingParams(**args[2])))
-                    else:
-                        future.set_result(self.proposer.release(args[0]))
+                    if isinstance(op, _Propose):
+                        self._sync(op.session, op.sync)
+                        proposes[op.session] = (op.k, future)
+                    else:  # start or release
+                        future.set_result(op())
                 except Exception as e:
                     future.set_exception(e)
             if proposes:
                 self._draft(proposes)
 
-    def _sync(self, session: str, sync: list[dict] | None) -> None:
-        for op in sync or ():
-            if op.get("length") is not None:
-                self.proposer.rollback(session, op["length"], op.get("token_ids", []))
-            if op.get("num_drafted"):
-                self.proposer.learn(session, op["num_drafted"], op["num_accepted"])
+    def _sync(self, session: str, sync: Sequence[SyncOp]) -> None:
+        for op in sync:
+            if op.rollback:
+                self.proposer.rollback(session, op.length, op.token_ids)
+            if op.num_drafted:
+                self.proposer.learn(session, op.num_drafted, op.num_accepted)
 
     def _draft(self, proposes: dict[str, tuple[int, Future]]) -> None:
         start = time.time()
@@ -127,12 +135,11 @@ class Drafter:
         self.batches += 1
         for session, (_, future) in proposes.items():
             proposal = proposals[session]
-            future.set_result({"token_ids": proposal.token_ids, "draft_probs": proposal.sparse_probs(),
-                               "start": start, "end": end, "batch_size": len(proposes)})
+            future.set_result(DraftReply(proposal.token_ids, proposal.sparse_probs(), start, end, len(proposes)))
 
     def stats(self) -> dict:
         with self._cond:
-            backlog = sum(1 for op, _, _ in self._queue if op == "propose")
+            backlog = sum(1 for op, _ in self._queue if isinstance(op, _Propose))
         return {"draft_s": self.draft_s, "idle_s": self.idle_s, "batches": self.batches, "backlog": backlog,
                 "sessions": self.proposer.num_sessions}
 

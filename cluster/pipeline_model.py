@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from collections import deque
 
+from drafts.cost_model import round_time
+
 
 def _accepted(rng: random.Random, alpha: float, k: int) -> int:
     n = 0
@@ -27,7 +29,7 @@ def simulate_sequential(alpha: float, c: float, gamma: int, tokens: int = 50_000
     produced, t = 0, 0.0
     while produced < tokens:
         produced += _accepted(rng, alpha, gamma) + 1
-        t += gamma * c + 1.0
+        t += round_time(gamma, c)
     return produced / t
 
 

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -30,12 +30,13 @@ import grpc
 import ray
 import ray.exceptions
 
+from cluster.codec import params_to_pb, result_from_pb, round_to_pb
 from cluster.errors import InvalidRequestError, TandemError
+from cluster.messages import DraftReply, SparseRow, SyncOp
 from cluster.sampling import SamplingParams
 from cluster.speculate import GenerationResult, SpeculationStats, ema, validate_request
 from cluster.stopping import StopChecker
 from cluster.transport import Endpoint, open_channel
-from cluster.verifier_server import params_to_pb
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from protos import pb, rpc
 
@@ -277,26 +278,39 @@ class Router:
         self.metrics.add(drafter_fallbacks=1)
         state["drafting"] = False
 
-    def _drafter_call(self, state: dict, method: str, *args, wait: bool = False):
-        """Call the drafter; with `wait`, its result, else an ObjectRef for `_drafter_result`."""
+    def _drafter_submit(self, state: dict, what: str, session: str, call: Callable[[], ray.ObjectRef]):
+        """`call()` submits one drafter call; its ObjectRef, or None (and plain decoding) if the drafter is lost.
+        `what` names the call in the log."""
         if not state["drafting"]:
             return None
         try:
-            ref = getattr(state["drafter"], method).remote(*args)
+            return call()
         except _DRAFTER_ERRORS as e:
-            self._drafter_lost(state, method, args[0], e)
+            self._drafter_lost(state, what, session, e)
             return None
-        return self._drafter_result(state, args[0], ref, method) if wait else ref
 
-    def _drafter_result(self, state: dict, session: str, ref, method: str = "propose"):
-        """The result of a `_drafter_call(..., wait=False)`; None (and plain decoding) if the drafter died."""
+    def _drafter_result(self, state: dict, session: str, ref, what: str = "propose"):
+        """The result of a submitted drafter call; None (and plain decoding) if the drafter died."""
         if ref is None or not state["drafting"]:
             return None
         try:
             return ray.get(ref, timeout=120)
         except _DRAFTER_ERRORS + (ray.exceptions.GetTimeoutError,) as e:
-            self._drafter_lost(state, method, session, e)
+            self._drafter_lost(state, what, session, e)
             return None
+
+    def _drafter_start(self, state: dict, session: str, tokens: list[int], params: SamplingParams) -> None:
+        ref = self._drafter_submit(state, "start", session, lambda: state["drafter"].start.remote(session, tokens, params))
+        self._drafter_result(state, session, ref, "start")
+
+    def _drafter_propose(self, state: dict, session: str, k: int):
+        """Ask for k drafts, sending the sync ops owed; an ObjectRef of a `DraftReply` (None if the drafter is lost)."""
+        sync, state["sync"] = state["sync"], []  # list[SyncOp]
+        return self._drafter_submit(state, "propose", session, lambda: state["drafter"].propose.remote(session, k, sync))
+
+    def _drafter_release(self, state: dict, session: str) -> None:
+        """Not waited for: the drafter frees the session's state in its own time."""
+        self._drafter_submit(state, "release", session, lambda: state["drafter"].release.remote(session))
 
     def _acquire_drafter(self, session: str, state: dict) -> None:
         if not state["drafting"]:
@@ -351,7 +365,7 @@ class Router:
         def start_drafter(tokens: list[int]) -> None:
             state["drafter_started"] = True
             self._acquire_drafter(session, state)
-            self._drafter_call(state, "start", session, tokens, params.model_dump(), wait=True)
+            self._drafter_start(state, session, tokens, params)
 
         state["start_drafter"] = start_drafter
         drafter_started = None
@@ -381,7 +395,7 @@ class Router:
                     stream.close()
                     stream.lease.release()
                     failed.mark_failed()
-                    state["sync"].append({"length": len(committed), "token_ids": []})
+                    state["sync"].append(SyncOp(length=len(committed)))
                     stream = None
                     stream = self._open(f"{session}r{replays}", committed, params, attempts=1 + self.max_replays)
         finally:
@@ -398,7 +412,7 @@ class Router:
                     pass
                 stream.lease.release()
             if state["drafter_started"]:
-                self._drafter_call(state, "release", session)
+                self._drafter_release(state, session)
             state["release_drafter"]()
         stats.num_generated_tokens = len(output)
         stats.total_s = time.perf_counter() - t_start
@@ -432,10 +446,9 @@ class Router:
         cancelled: threading.Event | None = state["cancelled"]
         fill = None  # (round, proposal ref): a plain step in flight while the drafter redrafts (see below)
 
-        def send(drafts: list[int], probs: list, bonus: bool, timing: RoundTiming) -> None:
+        def send(drafts: list[int], rows: list[SparseRow] | None, bonus: bool, timing: RoundTiming) -> None:
             nonlocal optimistic
-            stream.send(pb.VerifyRequest(session=stream.session, round=timing.round, epoch=epoch, bonus=bonus,
-                                         proposal=pb.DraftProposal(token_ids=drafts, draft_probs=probs)))
+            stream.send(round_to_pb(stream.session, timing.round, epoch, bonus, drafts, rows))
             timing.sent = time.time()
             in_flight.append([timing.round, epoch, len(drafts), False, timing])
             optimistic += len(drafts)
@@ -465,23 +478,22 @@ class Router:
                     # After a rejection the verifier would idle while the drafter drafts from the corrected
                     # token. Give it a plain decoding step meanwhile, and ask the drafter for one draft more:
                     # if its first draft equals the step's token, the rest go on as the next round.
-                    sync, state["sync"] = state["sync"], []
-                    ref = self._drafter_call(state, "propose", session, k + 1, sync)
+                    ref = self._drafter_propose(state, session, k + 1)
                     if ref is not None:
                         t = time.time()
                         timing = RoundTiming(next(round_ids), t, t)
-                        send([], [], True, timing)
+                        send([], None, True, timing)
                         fill = (timing.round, ref)
                         self.metrics.add(bubble_fills=1)
                         break
                 t0 = time.time()
-                drafts, probs = [], []
+                drafts, rows = [], None
                 if k > 0 and state["drafting"]:
-                    sync, state["sync"] = state["sync"], []
-                    proposal = self._drafter_call(state, "propose", session, k, sync, wait=True)
+                    proposal: DraftReply | None = self._drafter_result(
+                        state, session, self._drafter_propose(state, session, k))
                     if proposal is not None:
-                        drafts = proposal["token_ids"]
-                        probs = [pb.DraftDistribution(token_ids=i, probs=p) for i, p in proposal["draft_probs"] or []]
+                        drafts = proposal.token_ids
+                        rows = proposal.draft_probs
                 t1 = time.time()
                 if not drafts:
                     if live:
@@ -489,14 +501,14 @@ class Router:
                     bonus = True  # a plain decoding step
                 if not sequential and not in_flight and stats.rounds > 0:
                     self.metrics.add(pipeline_stalls=1)  # the verifier had nothing queued for this session
-                send(drafts, probs, bonus, RoundTiming(next(round_ids), t0, t1))
+                send(drafts, rows, bonus, RoundTiming(next(round_ids), t0, t1))
                 if sequential and self.pipeline_depth > 1:
                     self.metrics.add(shared_sequential_rounds=1)
                 live += 1
                 self._record_draft(stats, t1 - t0, len(drafts))
                 if bonus:
                     break  # the next round starts from this one's bonus token
-            result = stream.receive()
+            result, active_sessions = result_from_pb(stream.receive())
             received = time.time()
             rnd, rnd_epoch, num_drafts, stale, timing = in_flight.popleft()
             if result.round != rnd:
@@ -504,7 +516,7 @@ class Router:
             if stale or result.stale:
                 self.metrics.add(stale_rounds=1)
                 continue
-            verifier_sessions = self._last_load = result.active_sessions
+            verifier_sessions = self._last_load = active_sessions
             timing.verify_start, timing.verify_end = result.verify_start, result.verify_end
             timing.received = received
             self._verify_s = ema(self._verify_s, result.verify_end - result.verify_start)
@@ -517,9 +529,9 @@ class Router:
             self.metrics.add(rounds=1)
             new_tokens = list(result.output_token_ids)
             committed.extend(new_tokens)
-            op = {"num_drafted": num_drafts, "num_accepted": result.num_accepted}
+            op = SyncOp(num_drafted=num_drafts, num_accepted=result.num_accepted)
             if result.recovered or result.bonus:  # the drafter continues from the corrected token
-                op.update(length=len(committed) - 1, token_ids=new_tokens[-1:])
+                op = SyncOp(len(committed) - 1, new_tokens[-1:], num_drafts, result.num_accepted)
             if result.recovered:
                 epoch += 1
                 optimistic = 0
@@ -534,18 +546,16 @@ class Router:
             if fill is not None and rnd == fill[0]:
                 proposal = self._drafter_result(state, session, fill[1])
                 fill = None
-                drafts = proposal["token_ids"] if proposal else []
+                drafts = proposal.token_ids if proposal else []
                 # Lossless either way: the next round's drafts were drawn from q given the drafter's own
                 # first token; when that equals the committed one they are ordinary drafts from here.
                 if len(drafts) > 1 and drafts[0] == new_tokens[-1]:
-                    op.pop("length", None)  # the drafter's sequence already continues with this token
-                    op.pop("token_ids", None)
+                    op = op.without_rollback()  # the drafter's sequence already continues with this token
                     drafts = drafts[1:1 + params.max_tokens - len(output)]
-                    rows = (proposal["draft_probs"] or [])[1:1 + len(drafts)]
-                    self._record_draft(stats, proposal["end"] - proposal["start"], len(proposal["token_ids"]))
+                    rows = (proposal.draft_probs or [])[1:1 + len(drafts)]
+                    self._record_draft(stats, proposal.draft_s, len(proposal.token_ids))
                     state["sync"].append(op)
-                    send(drafts, [pb.DraftDistribution(token_ids=i, probs=p) for i, p in rows], False,
-                         RoundTiming(next(round_ids), proposal["start"], proposal["end"]))
+                    send(drafts, rows, False, RoundTiming(next(round_ids), proposal.start, proposal.end))
                     continue
                 self.metrics.add(bubble_fill_misses=1)
             state["sync"].append(op)

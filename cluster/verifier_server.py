@@ -14,50 +14,14 @@ import threading
 from concurrent import futures
 
 import grpc
-import torch
 
+from cluster.codec import params_from_pb, result_to_pb, round_from_pb
 from cluster.errors import InvalidRequestError
-from cluster.sampling import SamplingParams
 from cluster.transport import LOOPBACK, NetworkConfig, SecretCheck, add_port, cluster_secret
-from cluster.verifier import Round, RoundResult, VerifierEngine
+from cluster.verifier import VerifierEngine
 from protos import pb, rpc
 
 log = logging.getLogger(__name__)
-
-
-def params_from_pb(msg) -> SamplingParams:
-    return SamplingParams.build(
-        max_tokens=max(1, msg.max_tokens), temperature=msg.temperature, top_p=msg.top_p or 1.0,
-        top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
-        ignore_eos=msg.ignore_eos)
-
-
-def params_to_pb(params: SamplingParams):
-    return pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                             top_k=params.top_k, seed=params.seed, stop=params.stop, ignore_eos=params.ignore_eos)
-
-
-def dense_draft_probs(proposal, vocab_size: int) -> torch.Tensor | None:
-    """Sparse wire distributions -> q  # [k, vocab_size]; None for a deterministic proposer."""
-    if not proposal.draft_probs:
-        return None
-    if len(proposal.draft_probs) != len(proposal.token_ids):
-        raise InvalidRequestError(f"{len(proposal.token_ids)} drafts but {len(proposal.draft_probs)} draft distributions")
-    q = torch.zeros(len(proposal.token_ids), vocab_size)
-    for i, dist in enumerate(proposal.draft_probs):
-        if len(dist.token_ids) != len(dist.probs) or any(t >= vocab_size for t in dist.token_ids):
-            raise InvalidRequestError(f"draft distribution {i} is malformed")
-        q[i, list(dist.token_ids)] = torch.tensor(list(dist.probs))
-    if (q < 0).any() or ((q.sum(-1) - 1).abs() > 1e-3).any():
-        raise InvalidRequestError("draft distributions must be non-negative and sum to 1")
-    return q
-
-
-def result_to_pb(r: RoundResult, active_sessions: int = 0):
-    return pb.VerifyResult(session=r.session, round=r.round, epoch=r.epoch, num_accepted=r.num_accepted,
-                           output_token_ids=r.output_token_ids, recovered=r.recovered, bonus=r.bonus,
-                           stale=r.stale, verify_start=r.verify_start, verify_end=r.verify_end,
-                           active_sessions=active_sessions)
 
 
 _END = object()
@@ -93,9 +57,7 @@ class VerifierServicer(rpc.VerifierServicer):
         def read() -> None:
             try:
                 for request in request_iterator:
-                    rnd = Round(request.session, request.round, request.epoch, list(request.proposal.token_ids),
-                                dense_draft_probs(request.proposal, self.engine.runner.vocab_size), request.bonus)
-                    self.engine.submit(rnd, results.put)
+                    self.engine.submit(round_from_pb(request, self.engine.runner.vocab_size), results.put)
                     submitted[0] += 1
             except InvalidRequestError as e:
                 results.put(e)

@@ -1,10 +1,5 @@
-"""Draft-length policy: how many tokens to draft per round (γ), per session, from the cost model.
-
-With per-token acceptance α, γ drafts and cost ratio c = t_draft / t_target (per token):
-
-- expected tokens per verification round  E(α, γ) = (1 − α^(γ+1)) / (1 − α)
-- sequential speculation, time per round   1 + γ·c + γ·v      (v: extra verify cost per draft)
-- pipelined (draft overlapped with verify)  max(1 + γ·v, γ·c)
+"""Draft-length policy: how many tokens to draft per round (γ), per session, from the cost model
+(`drafts/cost_model.py`: E(α, γ) over the time of a sequential or pipelined round).
 
 The policy picks the γ in 0..max that maximises E / time (γ = 0 is plain decoding, speedup 1) from
 an online estimate of α per session, and drafts nothing in the three cases where speculation does
@@ -17,24 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Tokens committed per round (accepted drafts + the recovered or bonus token)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, pipelined: bool = False,
-                      verify_token_cost: float = 0.0) -> float:
-    """Tokens per unit of target-step time, relative to plain decoding."""
-    if gamma == 0:
-        return 1.0
-    if pipelined:
-        time = max(1.0 + gamma * verify_token_cost, gamma * cost_ratio)
-    else:
-        time = 1.0 + gamma * (cost_ratio + verify_token_cost)
-    return expected_tokens(alpha, gamma) / time
+from drafts.cost_model import predicted_speedup
 
 
 class SpeculationPolicyConfig(BaseModel):

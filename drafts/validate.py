@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.runner import TorchModelRunner
+from drafts.cost_model import speedup_from_tokens
 
 
 @dataclass
@@ -103,8 +104,8 @@ def validate(target, draft, prompts: list[list[int]], max_tokens: int = 64, max_
                           "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
                           "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
                           "drafted": sum(drafted), "accepted": sum(accepted),
-                          "predicted_sequential_speedup": e / (1 + gamma * c),
-                          "predicted_pipelined_speedup": e / max(1.0, gamma * c)})
+                          "predicted_sequential_speedup": speedup_from_tokens(e, gamma, c),
+                          "predicted_pipelined_speedup": speedup_from_tokens(e, gamma, c, pipelined=True)})
     best_seq = max(per_gamma, key=lambda g: g["predicted_sequential_speedup"])
     best_pipe = max(per_gamma, key=lambda g: g["predicted_pipelined_speedup"])
     return {"alpha": alpha, "cost_ratio": c, "target_step_s": t_target, "draft_step_s": t_draft,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench import predicted_pipelined_speedup, predicted_sequential_speedup
 from cluster.pipeline_model import pipelined_ceiling, simulate_pipelined, simulate_sequential
+from drafts.cost_model import predicted_speedup
 
 
 @pytest.mark.parametrize("alpha,c,gamma", [(0.86, 0.46, 3), (0.6, 0.1, 5), (0.95, 0.3, 2)])
 def test_sequential_matches_the_closed_form(alpha, c, gamma):
-    assert simulate_sequential(alpha, c, gamma) == pytest.approx(predicted_sequential_speedup(alpha, gamma, c), rel=0.02)
+    assert simulate_sequential(alpha, c, gamma) == pytest.approx(predicted_speedup(alpha, gamma, c), rel=0.02)
 
 
 @pytest.mark.parametrize("c,gamma", [(0.3, 3), (0.5, 4), (0.2, 2)])
@@ -22,7 +22,7 @@ def test_all_accepted_pipeline_runs_at_the_slower_side(c, gamma):
 def test_rejections_keep_the_pipeline_below_the_closed_form_bound():
     alpha, c, gamma = 0.86, 0.46, 3
     ceiling = pipelined_ceiling(alpha, c, gamma)
-    assert ceiling["pipelined_speedup"] < 0.75 * predicted_pipelined_speedup(alpha, gamma, c)
+    assert ceiling["pipelined_speedup"] < 0.75 * predicted_speedup(alpha, gamma, c, pipelined=True)
     assert 1.0 < ceiling["pipelined_over_sequential"] < 1.3
 
 

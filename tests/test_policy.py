@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from deployments.autoscaling import session_pool_policy
-from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig, expected_tokens, predicted_speedup
+from drafts.cost_model import expected_tokens, predicted_speedup
+from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 
 
 def test_cost_model_formulas():

@@ -42,7 +42,9 @@ from protos import pb, rpc
 
 log = logging.getLogger(__name__)
 
-_DRAFTER_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+# A drafter call failing for any of these sends the session on with plain target decoding (same output):
+# the actor died or is unreachable, or it raised, e.g. a drafter Ray restarted no longer knows the session.
+_DRAFTER_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.RayTaskError)
 
 
 @dataclass

@@ -1,6 +1,8 @@
-"""Test-only proposers and tiny models."""
+"""Test-only proposers, tiny models and the Serve application on a local Ray."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,3 +57,21 @@ def greedy_references(model, prompt_ids: list[list[int]], max_tokens: int) -> di
                                  do_sample=False, max_new_tokens=max_tokens)
             refs[tuple(ids)] = out[0, len(ids):].tolist()
     return refs
+
+
+@contextlib.contextmanager
+def serve_app(**overrides):
+    """ray_config.yaml's application on a local Ray (127.0.0.1, free ports), its `args` overridden
+    by `overrides`; yields the endpoints, shuts Serve and Ray down afterwards."""
+    import ray
+    from ray import serve
+
+    from cluster.runtime import free_port, init_local_ray
+    from deployments.serving import DEFAULT_CONFIG, load_config, start
+
+    init_local_ray(num_cpus=16)
+    try:
+        yield start(load_config(DEFAULT_CONFIG, overrides=overrides), http_port=free_port(), grpc_port=free_port())
+    finally:
+        serve.shutdown()
+        ray.shutdown()

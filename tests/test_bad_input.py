@@ -13,7 +13,6 @@ import grpc
 import httpx
 import openai
 import pytest
-import ray
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -22,7 +21,7 @@ from cluster.errors import ConfigError, InvalidRequestError
 from cluster.sampling import SamplingParams
 from cluster.speculate import SpeculativeDecoder
 from protos import pb, rpc
-from tests.helpers import tiny_llama
+from tests.helpers import serve_app, tiny_llama
 
 
 @pytest.fixture()
@@ -100,21 +99,12 @@ COMPLETIONS = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def server():
-    """The Serve application on a local Ray (127.0.0.1), small and fast: fp32 target, n-gram drafts."""
-    from ray import serve
-
-    from cluster.runtime import free_port, init_local_ray
-    from deployments.serving import DEFAULT_CONFIG, load_config, start
-
-    init_local_ray(num_cpus=16)
-    config = load_config(DEFAULT_CONFIG, overrides={
-        "engine": {"dtype": "float32", "proposer": "ngram", "num_speculative_tokens": 3, "threads": 1},
-        "api_keys": [API_KEY], "default_max_tokens": 4, "request_timeout_s": 8, "retry_after_s": 2,
-        # admission: 2 sessions at once, 2 more queued; past that a request is refused at once
-        "router": {"max_ongoing_requests": 2, "max_queued_requests": 2, "placement": {"num_cpus": 0}}})
-    yield start(config, http_port=free_port(), grpc_port=free_port())
-    serve.shutdown()
-    ray.shutdown()
+    """The Serve application, small and fast: fp32 target, n-gram drafts."""
+    with serve_app(engine={"dtype": "float32", "proposer": "ngram", "num_speculative_tokens": 3, "threads": 1},
+                   api_keys=[API_KEY], default_max_tokens=4, request_timeout_s=8, retry_after_s=2,
+                   # admission: 2 sessions at once, 2 more queued; past that a request is refused at once
+                   router={"max_ongoing_requests": 2, "max_queued_requests": 2, "placement": {"num_cpus": 0}}) as endpoints:
+        yield endpoints
 
 
 def _completion(**fields) -> dict:

@@ -15,10 +15,9 @@ import openai
 import pytest
 import ray
 
-from cluster.runtime import free_port, init_local_ray
 from deployments.failover import SessionProgress
-from deployments.serving import DEFAULT_CONFIG, load_config, start
 from protos import pb, rpc
+from tests.helpers import serve_app
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 48
@@ -37,17 +36,9 @@ MAX_RESUMES = 1
 
 @pytest.fixture(scope="module")
 def server():
-    init_local_ray(num_cpus=16)
-    config = load_config(DEFAULT_CONFIG, overrides={
-        "engine": {"dtype": "float32", "proposer": "draft", "num_speculative_tokens": 3, "threads": 1},
-        "failover": {"max_resumes": MAX_RESUMES, "resume_delay_s": 0.2},
-    })
-    endpoints = start(config, http_port=free_port(), grpc_port=free_port())
-    yield endpoints
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
+    with serve_app(engine={"dtype": "float32", "proposer": "draft", "num_speculative_tokens": 3, "threads": 1},
+                   failover={"max_resumes": MAX_RESUMES, "resume_delay_s": 0.2}) as endpoints:
+        yield endpoints
 
 
 @pytest.fixture(scope="module")

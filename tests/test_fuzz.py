@@ -7,13 +7,14 @@ Bounded and deterministic: at most 138 cases (derandomized Hypothesis, no exampl
 from __future__ import annotations
 
 import pytest
-import ray
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
+
+from tests.helpers import serve_app
 
 MODEL = "SmolLM2-135M-Instruct"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -27,19 +28,10 @@ OPERATIONS = [("POST", "/v1/completions", POSITIVE, 25), ("POST", "/v1/completio
 
 @pytest.fixture(scope="module")
 def server():
-    """The Serve application on a local Ray (127.0.0.1), small and fast: fp32 target, n-gram drafts."""
-    from ray import serve
-
-    from cluster.runtime import free_port, init_local_ray
-    from deployments.serving import DEFAULT_CONFIG, load_config, start
-
-    init_local_ray(num_cpus=16)
-    config = load_config(DEFAULT_CONFIG, overrides={
-        "engine": {"dtype": "float32", "proposer": "ngram", "num_speculative_tokens": 3, "threads": 1},
-        "default_max_tokens": MAX_TOKENS})
-    yield start(config, http_port=free_port(), grpc_port=free_port())
-    serve.shutdown()
-    ray.shutdown()
+    """The Serve application, small and fast: fp32 target, n-gram drafts."""
+    with serve_app(engine={"dtype": "float32", "proposer": "ngram", "num_speculative_tokens": 3, "threads": 1},
+                   default_max_tokens=MAX_TOKENS) as endpoints:
+        yield endpoints
 
 
 @pytest.fixture(scope="module")

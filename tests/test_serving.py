@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster.errors import ConfigError
-from cluster.runtime import free_port, init_local_ray
-from deployments.serving import DEFAULT_CONFIG, load_config, start
+from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
+from tests.helpers import serve_app
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
@@ -35,17 +35,9 @@ METADATA = (("application", "tandem"),)
 
 @pytest.fixture(scope="module")
 def server():
-    init_local_ray(num_cpus=16)
-    config = load_config(DEFAULT_CONFIG, overrides={
-        "engine": {"dtype": "float32", "proposer": "draft", "num_speculative_tokens": 3, "threads": 1},
-        "api_keys": [API_KEY],
-    })
-    endpoints = start(config, http_port=free_port(), grpc_port=free_port())
-    yield endpoints
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
+    with serve_app(engine={"dtype": "float32", "proposer": "draft", "num_speculative_tokens": 3, "threads": 1},
+                   api_keys=[API_KEY]) as endpoints:
+        yield endpoints
 
 
 @pytest.fixture(scope="module")

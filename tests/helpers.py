@@ -59,6 +59,16 @@ def greedy_references(model, prompt_ids: list[list[int]], max_tokens: int) -> di
     return refs
 
 
+# (text, use_chat_template): code, prose and chat prompts the serving tests decode
+SERVE_PROMPTS = [
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
+    ("Once upon a time, in a small village by the sea,", False),
+    ("What is the capital of France?", True),
+    ("Write a short poem about the moon.", True),
+]
+
+
 @contextlib.contextmanager
 def serve_app(**overrides):
     """ray_config.yaml's application on a local Ray (127.0.0.1, free ports), its `args` overridden

@@ -17,16 +17,11 @@ import ray
 
 from deployments.failover import SessionProgress
 from protos import pb, rpc
-from tests.helpers import serve_app
+from tests.helpers import SERVE_PROMPTS, serve_app
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 48
-PROMPTS = [
-    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
-    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
-    ("Once upon a time, in a small village by the sea,", False),
-    ("What is the capital of France?", True),
-    ("Write a short poem about the moon.", True),
+PROMPTS = SERVE_PROMPTS + [
     ("def is_prime(n):\n", False),
     ("Explain what a hash table is.", True),
     ("import os\n\ndef list_files(path):\n", False),
@@ -72,10 +67,6 @@ def _kill(victim: str = "router") -> str:
     assert actor is not None, f"no {victim}"
     ray.kill(actor, no_restart=victim != "drafter")
     return name
-
-
-def _kill_router() -> str:
-    return _kill("router")
 
 
 def _grpc_stream(server, prompt: str, chat: bool, on_chunk, max_tokens: int) -> tuple[list[int], str, int]:
@@ -211,7 +202,7 @@ def test_seeded_sampled_stream_resumed_equals_uninterrupted(server, client):
 
     def kill_once(ids):
         if len(ids) >= 5 and not killed:
-            killed.append(_kill_router())
+            killed.append(_kill("router"))
 
     resumed, _, usage = _stream(client, PROMPTS[4][0], True, on_chunk=kill_once, **params)
     assert killed and len(resumed) == 40

@@ -18,18 +18,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from cluster.errors import ConfigError
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
-from tests.helpers import serve_app
+from tests.helpers import SERVE_PROMPTS, serve_app
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
 MAX_TOKENS = 24
-PROMPTS = [
-    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
-    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
-    ("Once upon a time, in a small village by the sea,", False),
-    ("What is the capital of France?", True),
-    ("Write a short poem about the moon.", True),
-]
+PROMPTS = SERVE_PROMPTS
 METADATA = (("application", "tandem"),)
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from cluster.errors import InvalidRequestError, TandemError
+
+if TYPE_CHECKING:
+    from cluster.tree import TokenTree
 
 SessionId = Hashable
 
@@ -223,3 +226,67 @@ class TorchModelRunner:
                 state.cache.layers[layer_idx].update(new_keys, new_values)
             results[s] = logits[i, counts[i] - keep[i] - lo : counts[i] - lo]
         return results
+
+    # -- token trees ----------------------------------------------------------------------------
+    # One session per call (no batching across sessions). Works with any attention implementation
+    # that takes transformers' additive 4-D float mask (sdpa and eager: a prepared 4-D mask is
+    # passed through `create_causal_mask` unchanged).
+
+    @torch.inference_mode()
+    def extend_tree(self, session: SessionId, prefix_ids: Sequence[int], tree: "TokenTree") -> torch.Tensor:
+        """Append `prefix_ids` (committed tokens not yet cached, run causally) and then the tree's
+        nodes in one forward: node i sits at position base + depth(i) (base = length after the
+        prefix) and attends to the cache, the prefix and its own ancestors only.
+
+        Returns float32 logits  # [len(prefix_ids) + n, vocab_size]: row len(prefix_ids) - 1 is the
+        root's distribution and row len(prefix_ids) + i the distribution after node i, so
+        `logits[len(prefix_ids) - 1:]` are `tree_rejection_sample`'s target_logits (with an empty
+        prefix the root row must come from the previous forward). Every node stays in the cache
+        (at base + i) until `keep_tree_path` keeps the accepted branch."""
+        state = self._get(session)
+        num_prefix, n = len(prefix_ids), len(tree)
+        if num_prefix + n == 0:
+            return torch.empty(0, self.vocab_size)
+        self._check_room(state, session, num_prefix + n)
+        start = state.length
+        base = start + num_prefix
+        total = base + n
+        input_ids = torch.tensor([[*prefix_ids, *tree.token_ids]], dtype=torch.long, device=self.device)  # [1, P + n]
+        positions = torch.cat([torch.arange(start, base), base + torch.tensor(tree.position_offsets(), dtype=torch.long)])
+        allowed = torch.zeros(num_prefix + n, total, dtype=torch.bool)  # [P + n, total]
+        allowed[:, :start] = True
+        allowed[:num_prefix, start:base] = torch.ones(num_prefix, num_prefix, dtype=torch.bool).tril()
+        allowed[num_prefix:, start:base] = True
+        allowed[num_prefix:, base:] = tree.attention_mask()
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        out = self.model(input_ids=input_ids, position_ids=positions[None].to(self.device),
+                         attention_mask=mask[None, None].to(self.device),  # [1, 1, P + n, total]
+                         past_key_values=state.cache, use_cache=True)
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def keep_tree_path(self, session: SessionId, num_prefix_cached: int, node_path: Sequence[int],
+                       tree: "TokenTree | None" = None) -> None:
+        """After `extend_tree`: keep only the accepted branch. `num_prefix_cached` is the session's
+        length before the tree's nodes (its length before `extend_tree` plus the prefix);
+        `node_path` the accepted nodes, root's child first (`TreeResult.node_path`; checked to be a
+        root-to-node path when `tree` is given). The accepted nodes' keys/values are copied down to
+        consecutive slots after the prefix (they were computed at those positions already: position
+        = base + depth) and the cursor moves past them, so the cache equals that of a plain
+        `extend` of prefix + accepted tokens."""
+        state = self._get(session)
+        path = [int(i) for i in node_path]
+        num_nodes = state.length - num_prefix_cached
+        if num_nodes < 0 or num_prefix_cached < 0:
+            raise ValueError(f"session {session!r} of length {state.length} has no tree after {num_prefix_cached}")
+        if any(not 0 <= i < num_nodes for i in path) or any(b <= a for a, b in zip(path, path[1:])):
+            raise ValueError(f"node path {path} is not increasing within the {num_nodes} cached nodes")
+        if tree is not None and path and (len(tree) != num_nodes or tree.path(path[-1]) != path):
+            raise ValueError(f"node path {path} is not a root-to-node path of the tree")
+        if path != list(range(len(path))):  # else the branch is in place already
+            index = torch.tensor(path, dtype=torch.long, device=self.device) + num_prefix_cached
+            end = num_prefix_cached + len(path)
+            for layer in state.cache.layers:
+                layer.keys[:, :, num_prefix_cached:end] = layer.keys.index_select(2, index)
+                layer.values[:, :, num_prefix_cached:end] = layer.values.index_select(2, index)
+        state.cache.crop(num_prefix_cached + len(path))

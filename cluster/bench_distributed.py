@@ -11,17 +11,22 @@ import ray
 
 from cluster.engine import EngineConfig, encode_prompt
 from cluster.pipeline_model import pipelined_ceiling
+from drafts.policy import SpeculationPolicyConfig
 from cluster.runtime import ClusterConfig, TandemCluster, init_local_ray
 from cluster.sampling import SamplingParams
 from cluster.workloads import workload
 from drafts.cost_model import effective_alpha, predicted_speedup
 
-MODES = {  # mode -> (proposer on, pipeline_depth, fill_bubbles)
-    "target_only": (False, 1, False),
-    "sequential": (True, 1, False),
-    "pipelined": (True, 2, True),
-    "pipelined_no_fill": (True, 2, False),  # the same without plain steps in the post-rejection bubble
+MODES = {  # mode -> (proposer on, pipeline_depth, fill_bubbles, extra ClusterConfig / EngineConfig fields)
+    "target_only": (False, 1, False, {}),
+    "sequential": (True, 1, False, {}),
+    "sequential_tree": (True, 1, False, {"tree_width": 2}),  # top-2 siblings at the first draft position
+    "pipelined": (True, 2, True, {}),  # the depth-2 chain with filled bubbles
+    "pipelined_no_fill": (True, 2, False, {}),  # the same without plain steps in the post-rejection bubble
+    "continuous": (True, 1, False, {"continuous": True}),  # drafting ahead, instant cancel
+    "continuous_depth2": (True, 2, False, {"continuous": True}),
 }
+ENGINE_FIELDS = {"tree_width"}
 
 
 def _concurrent(cluster: TandemCluster, prompts: list[list[int]], sessions: int, max_tokens: int) -> dict:
@@ -44,16 +49,22 @@ def _concurrent(cluster: TandemCluster, prompts: list[list[int]], sessions: int,
 
 def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8, max_tokens: int = 128,
                           gamma: int = 4, dtype: str = "bfloat16", proposer: str = "draft",
-                          concurrency: tuple[int, ...] = (1, 4, 16), concurrency_max_tokens: int = 64) -> dict:
+                          concurrency: tuple[int, ...] = (1, 4, 16), concurrency_max_tokens: int = 64,
+                          modes: tuple[str, ...] = ()) -> dict:
+    """`modes`: the optional modes to run besides the four the report is built on (default: all)."""
     init_local_ray()
     report: dict = {"config": {"workload": workload_name, "prompts": num_prompts, "max_tokens": max_tokens,
                                "num_speculative_tokens": gamma, "dtype": dtype, "proposer": proposer,
                                "threads_per_actor": 1}, "modes": {}}
     texts, chat = workload(workload_name, num_prompts)
-    for mode, (speculate, depth, fill) in MODES.items():
+    for mode, (speculate, depth, fill, extra) in MODES.items():
+        if modes and mode not in modes and mode not in ("target_only", "sequential", "pipelined", "pipelined_no_fill"):
+            continue
         engine = EngineConfig(proposer=proposer if speculate else "none", num_speculative_tokens=gamma if speculate else 0,
-                              dtype=dtype, threads=1)
-        cluster = TandemCluster(ClusterConfig(engine=engine, pipeline_depth=depth, fill_bubbles=fill))
+                              dtype=dtype, threads=1, **{k: v for k, v in extra.items() if k in ENGINE_FIELDS})
+        cluster = TandemCluster(ClusterConfig(engine=engine, pipeline_depth=depth, fill_bubbles=fill,
+                                              speculation=SpeculationPolicyConfig(adaptive=False),  # γ as asked
+                                              **{k: v for k, v in extra.items() if k not in ENGINE_FIELDS}))
         try:
             prompts = [encode_prompt(cluster.tokenizer, t, chat) for t in texts]
             cluster.generate(prompts[0], SamplingParams(max_tokens=8))  # warm-up
@@ -88,23 +99,30 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
                 after = ray.get(cluster.drafter.stats.remote())
                 row["drafter_busy_s"] = after["draft_s"] - drafter_before["draft_s"]
                 row["drafter_idle_s"] = wall - row["drafter_busy_s"]
+                row["draft_token_ms"] = 1e3 * row["drafter_busy_s"] / max(1, drafted)
             row["overhead_fraction_of_verify_step"] = row["router_grpc_overhead_ms"] / row["verify_step_ms"]
             row["bubble_fills"] = cluster.router.metrics.bubble_fills
             row["bubble_fill_misses"] = cluster.router.metrics.bubble_fill_misses
             row["concurrency"] = [_concurrent(cluster, prompts, n, concurrency_max_tokens)
-                                  for n in (concurrency if mode != "pipelined_no_fill" else ())]
+                                  for n in (concurrency if mode in ("target_only", "sequential", "pipelined") else ())]
+            if cluster.drafter is not None:
+                row.update({k: after[k] for k in ("ahead_steps", "ahead_cancels", "ahead_stale_tokens")})
             report["modes"][mode] = row
         finally:
             cluster.shutdown()
 
     base = report["modes"]["target_only"]
     step_ms = base["verify_step_ms"]  # one plain decoding step on the verifier
-    for mode in ("sequential", "pipelined", "pipelined_no_fill"):
+    for mode in report["modes"]:
+        if mode == "target_only":
+            continue
         row = report["modes"][mode]
         row["speedup_vs_target_only"] = row["tokens_per_s"] / base["tokens_per_s"]
         draft_ms = 1e3 * row.get("drafter_busy_s", 0.0) / max(1, row["drafted"])
         c = draft_ms / step_ms
         alpha = effective_alpha(row["mean_accepted_length"], gamma) if mode == "sequential" else None
+        if mode != "sequential":
+            row["over_sequential"] = row["tokens_per_s"] / report["modes"]["sequential"]["tokens_per_s"]
         row["cost_ratio_c"] = c
         if alpha is not None:
             row["alpha"] = alpha
@@ -119,6 +137,11 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
     ceiling = pipelined_ceiling(alpha, c, gamma)
     report["model"] = ceiling
     report["pipelined_fraction_of_ceiling"] = pipe["speedup_vs_target_only"] / ceiling["pipelined_speedup"]
+    # κ, contention: how much slower each side's steps are while the other side is busy (pipelined: drafter
+    # and verifier overlap) than alone (sequential: each waits for the other). The pipelined rounds carry
+    # no bonus token (one fed token fewer), so κ_verify is a slight underestimate.
+    report["kappa"] = {"verify": pipe["verify_step_ms"] / seq["verify_step_ms"] - 1,
+                       "draft": pipe["draft_token_ms"] / seq["draft_token_ms"] - 1}
     return report
 
 
@@ -126,10 +149,11 @@ def format_distributed(report: dict) -> str:
     cfg = report["config"]
     lines = [f"workload={cfg['workload']} prompts={cfg['prompts']} max_tokens={cfg['max_tokens']} "
              f"γ={cfg['num_speculative_tokens']} dtype={cfg['dtype']} proposer={cfg['proposer']} (1 torch thread per actor)", "",
-             "| mode | tokens/s | vs target-only | accept rate | mean acc. len | verify step ms | router+gRPC ms/round | verifier busy | drafter idle s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | tokens/s | vs target-only | vs sequential | accept rate | mean acc. len | verify step ms | router+gRPC ms/round | verifier busy | drafter idle s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for mode, row in report["modes"].items():
-        lines.append(f"| {mode} | {row['tokens_per_s']:.2f} | {row.get('speedup_vs_target_only', 1.0):.2f}× | "
+        over_seq = f"{row['over_sequential']:.2f}×" if "over_sequential" in row else ""
+        lines.append(f"| {mode} | {row['tokens_per_s']:.2f} | {row.get('speedup_vs_target_only', 1.0):.2f}× | {over_seq} | "
                      f"{row['acceptance_rate']:.2f} | {row['mean_accepted_length']:.2f} | {row['verify_step_ms']:.1f} | "
                      f"{row['router_grpc_overhead_ms']:.2f} ({row['overhead_fraction_of_verify_step']:.1%}) | "
                      f"{row['verifier_busy_fraction']:.0%} | {row.get('drafter_idle_s', 0.0):.1f} |")
@@ -144,6 +168,8 @@ def format_distributed(report: dict) -> str:
               f"{report['model']['pipelined_speedup']:.2f}× (γ {report['model']['pipelined_gamma']}), ratio "
               f"{report['model']['pipelined_over_sequential']:.2f}×; pipelined reaches "
               f"{report['pipelined_fraction_of_ceiling']:.0%} of the modelled ceiling", "",
+              f"contention κ (pipelined step / sequential step − 1): verify {report['kappa']['verify']:+.2f}, "
+              f"draft per token {report['kappa']['draft']:+.2f}", "",
               "| mode | " + " | ".join(f"{c['sessions']} sessions tok/s" for c in report["modes"]["target_only"]["concurrency"]) + " |",
               "|---|" + "---|" * len(report["modes"]["target_only"]["concurrency"])]
     for mode, row in report["modes"].items():

@@ -59,16 +59,20 @@ def dense_draft_probs(proposal, vocab_size: int) -> torch.Tensor | None:
 
 
 def round_to_pb(session: str, round: int, epoch: int, bonus: bool, token_ids: Sequence[int],
-                draft_rows: Sequence[SparseRow] | None):
-    """One round as the router sends it: drafts and their sparse q rows (None: deterministic)."""
-    return pb.VerifyRequest(session=session, round=round, epoch=epoch, bonus=bonus,
-                            proposal=pb.DraftProposal(token_ids=token_ids, draft_probs=draft_rows_to_pb(draft_rows)))
+                draft_rows: Sequence[SparseRow] | None, parents: Sequence[int] | None = None):
+    """One round as the router sends it: drafts and their sparse q rows (None: deterministic), and the
+    parent of each draft when they form a token tree (None: a chain)."""
+    proposal = pb.DraftProposal(token_ids=token_ids, draft_probs=draft_rows_to_pb(draft_rows),
+                                tree=parents is not None, parents=[p + 1 for p in parents or ()])
+    return pb.VerifyRequest(session=session, round=round, epoch=epoch, bonus=bonus, proposal=proposal)
 
 
 def round_from_pb(request, vocab_size: int) -> Round:
     """Raises InvalidRequestError on a malformed proposal."""
-    return Round(request.session, request.round, request.epoch, list(request.proposal.token_ids),
-                 dense_draft_probs(request.proposal, vocab_size), request.bonus)
+    proposal = request.proposal
+    parents = [p - 1 for p in proposal.parents] if proposal.tree else None
+    return Round(request.session, request.round, request.epoch, list(proposal.token_ids),
+                 dense_draft_probs(proposal, vocab_size), request.bonus, parents)
 
 
 def result_to_pb(r: RoundResult, active_sessions: int = 0):

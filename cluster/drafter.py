@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.messages import DraftReply, SyncOp
+from cluster.messages import DraftReply, SyncOp, apply_sync
 from cluster.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class _Propose:
     session: str
     k: int
     sync: list[SyncOp]
+    tree: bool = False  # a token tree (when the proposer makes them), else a chain
 
 
 class Drafter:
@@ -51,13 +52,15 @@ class Drafter:
         from drafts.small_draft import is_tandem_draft
 
         target = None
-        if config.proposer == "draft" and config.draft == "int8":
+        model_draft = config.proposer in ("draft", "hybrid")
+        if model_draft and config.draft == "int8":
             target = models.load_causal_lm(path, "float32", "cpu")  # only to copy and quantise
-        elif config.proposer == "draft" and is_tandem_draft(config.draft):
+        elif model_draft and is_tandem_draft(config.draft):
             target = models.load_causal_lm(path, config.dtype, config.device)  # lends embeddings (and layers)
         self.proposer = make_proposer(config, target, tokenizer)
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.max_support = max_support
+        model = getattr(self.proposer, "model", self.proposer)  # the hybrid's model proposer
+        if isinstance(model, DraftModelProposer):
+            model.max_support = max_support  # q rows cross the wire compactly
         del target
         self.name = config.proposer
         self.draft_s = 0.0
@@ -65,6 +68,7 @@ class Drafter:
         self.idle_s = 0.0
         self.max_batch = max_batch
         self.batches = 0
+        self.ahead = None  # a DraftAhead, once a session drafts continuously
         self._cond = threading.Condition()
         self._queue: list[tuple[_Propose | Callable[[], object], Future]] = []
         threading.Thread(target=self._loop, daemon=True, name="drafter-loop").start()
@@ -85,9 +89,10 @@ class Drafter:
         prompt_ids = list(prompt_ids)
         return self._submit(lambda: self.proposer.start(session, prompt_ids, params))
 
-    def propose(self, session: str, k: int, sync: Sequence[SyncOp] = ()) -> DraftReply:
-        """Apply the `sync` ops in order (rollback, then learn, each where present), then draft k tokens."""
-        return self._submit(_Propose(session, k, list(sync)))
+    def propose(self, session: str, k: int, sync: Sequence[SyncOp] = (), tree: bool = False) -> DraftReply:
+        """Apply the `sync` ops in order (rollback, then learn, each where present), then draft k tokens
+        (with `tree`, and a proposer with `tree_width` > 1: a token tree whose chain is k long)."""
+        return self._submit(_Propose(session, k, list(sync), tree))
 
     def release(self, session: str) -> None:
         return self._submit(lambda: self.proposer.release(session))
@@ -101,30 +106,30 @@ class Drafter:
                     self._cond.wait()
                 batch, self._queue = self._queue, []
             proposes: dict[str, tuple[int, Future]] = {}
+            trees: set[str] = set()
             for op, future in batch:
                 try:
                     if isinstance(op, _Propose):
-                        self._sync(op.session, op.sync)
+                        apply_sync(self.proposer, op.session, op.sync)
                         proposes[op.session] = (op.k, future)
+                        if op.tree:
+                            trees.add(op.session)
                     else:  # start or release
                         future.set_result(op())
                 except Exception as e:
                     future.set_exception(e)
             if proposes:
-                self._draft(proposes)
+                self._draft(proposes, trees)
 
-    def _sync(self, session: str, sync: Sequence[SyncOp]) -> None:
-        for op in sync:
-            if op.rollback:
-                self.proposer.rollback(session, op.length, op.token_ids)
-            if op.num_drafted:
-                self.proposer.learn(session, op.num_drafted, op.num_accepted)
-
-    def _draft(self, proposes: dict[str, tuple[int, Future]]) -> None:
+    def _draft(self, proposes: dict[str, tuple[int, Future]], trees: set[str]) -> None:
         start = time.time()
         self.idle_s += max(0.0, start - self.idle_since)
+        requests = {s: k for s, (k, _) in proposes.items()}
         try:
-            proposals = self.proposer.propose_batch({s: k for s, (k, _) in proposes.items()})
+            if trees and getattr(self.proposer, "tree_width", 1) > 1:
+                proposals = self.proposer.propose_batch(requests, trees=trees)
+            else:
+                proposals = self.proposer.propose_batch(requests)
         except Exception as e:
             for _, future in proposes.values():
                 future.set_exception(e)
@@ -135,13 +140,49 @@ class Drafter:
         self.batches += 1
         for session, (_, future) in proposes.items():
             proposal = proposals[session]
-            future.set_result(DraftReply(proposal.token_ids, proposal.sparse_probs(), start, end, len(proposes)))
+            future.set_result(DraftReply(proposal.token_ids, proposal.sparse_probs(), start, end, len(proposes),
+                                         parents=proposal.parents))
+
+    # -- continuous drafting (`cluster.draft_ahead`): these calls never wait for a draft batch ----------
+
+    def _ahead(self):
+        with self._cond:
+            if self.ahead is None:
+                from cluster.draft_ahead import DraftAhead
+
+                self.ahead = DraftAhead(self.proposer)  # one mode per drafter: routers share their config
+            return self.ahead
+
+    def ahead_start(self, session: str, token_ids: Sequence[int], params: SamplingParams, lookahead: int) -> None:
+        self._ahead().start(session, list(token_ids), params, lookahead)
+
+    def take(self, session: str, max_n: int, timeout_s: float) -> DraftReply | None:
+        reply = self._ahead().take(session, max_n, timeout_s)
+        if reply is None or reply.dense is None:
+            return reply
+        rows = DraftReply(reply.token_ids, None, 0, 0, 1, dense=reply.dense).rows()  # sparse across the wire
+        return DraftReply(reply.token_ids, rows, reply.start, reply.end, reply.batch_size)
+
+    def commit(self, session: str, num_tokens: int, num_accepted: int, num_drafted: int) -> None:
+        self._ahead().commit(session, num_tokens, num_accepted, num_drafted)
+
+    def resync(self, session: str, length: int, token_ids: list[int], num_drafted: int, num_accepted: int) -> None:
+        self._ahead().resync(session, length, token_ids, num_drafted, num_accepted)
+
+    def ahead_release(self, session: str) -> None:
+        self._ahead().release(session)
+
+    def ahead_step_s(self) -> float:
+        return self.ahead.step_s if self.ahead is not None else 0.0
 
     def stats(self) -> dict:
         with self._cond:
             backlog = sum(1 for op, _ in self._queue if isinstance(op, _Propose))
-        return {"draft_s": self.draft_s, "idle_s": self.idle_s, "batches": self.batches, "backlog": backlog,
-                "sessions": self.proposer.num_sessions}
+        ahead = self.ahead
+        return {"draft_s": self.draft_s + (ahead.busy_s if ahead else 0.0), "idle_s": self.idle_s,
+                "batches": self.batches, "backlog": backlog, "sessions": self.proposer.num_sessions,
+                "ahead_steps": ahead.steps if ahead else 0, "ahead_cancels": ahead.cancels if ahead else 0,
+                "ahead_stale_tokens": ahead.stale_tokens if ahead else 0}
 
     def pid(self) -> int:
         return os.getpid()

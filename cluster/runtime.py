@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine import EngineConfig
 from cluster.errors import ConfigError, validation_message
+from cluster.loop import LoopConfig
 from cluster.transport import LOOPBACK, Endpoint, advertised_endpoint, bind_host
 
 log = logging.getLogger(__name__)
@@ -46,25 +47,25 @@ class PlacementConfig(BaseModel):
         return bundle
 
 
-class ClusterConfig(BaseModel):
-    """The distributed runtime: one drafter, `num_verifier_replicas` TP groups, a router."""
+class ClusterConfig(LoopConfig):
+    """The distributed runtime: one drafter, `num_verifier_replicas` TP groups, a router
+    (scheduling fields from `LoopConfig`, shared with the Serve application's config)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Models, proposer, γ, dtype, threads per actor.")
-    pipeline_depth: int = Field(2, ge=1, le=8, description="Rounds in flight per session; 1 = sequential speculative decoding.")
     num_verifier_replicas: int = Field(1, ge=1, le=64, description="Verifier replicas in the pool.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target ranks per verifier replica.")
     drafter: PlacementConfig = Field(default_factory=PlacementConfig, description="Where the drafter runs (a cheap GPU).")
     verifier_rank: PlacementConfig = Field(default_factory=PlacementConfig, description="Where each verifier rank runs (a large GPU).")
     placement_timeout_s: float = Field(60.0, gt=0, description="How long to wait for resources before failing.")
     max_verifier_restarts: int = Field(-1, ge=-1, description="Ray restarts of a verifier replica (-1: unlimited).")
-    balance_pipeline: bool = Field(True, description="Pipelined mode: cap γ per round at verify time / draft time per token, so neither side idles.")
-    fill_bubbles: bool = Field(True, description="Pipelined mode: after a rejection, run a plain decoding step while the drafter redrafts.")
-    pipeline_max_sessions: int = Field(1, ge=1, description="Pipeline a session's rounds only while at most this many sessions share its verifier replica (beyond, sequential rounds with their bonus token commit more per forward).")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
+        if self.engine.backend != "torch":
+            raise ValueError(f"engine.backend={self.engine.backend!r}: the Ray runtime's verifiers run 'torch' "
+                             "(`tandem generate --engine vllm --distributed` runs vLLM with the drafter actor)")
         if self.tensor_parallel_size > 1 and self.engine.device not in (None, "cpu") and self.verifier_rank.num_gpus < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} on GPUs needs verifier_rank.num_gpus >= 1")
         return self
@@ -256,7 +257,8 @@ class TandemCluster:
 
     def __init__(self, config: ClusterConfig):
         from cluster import models
-        from cluster.router import Router, VerifierReplicaHandle
+        from cluster.router import Router
+        from cluster.verifier_pool import VerifierReplicaHandle
 
         self.config = config
         init_local_ray()
@@ -290,12 +292,7 @@ class TandemCluster:
         except Exception:  # e.g. a verifier that could not start (unreadable certificates)
             self.shutdown()
             raise
-        eos = model_config.eos_token_id
-        self.router = Router(handles, self.drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
-                             config.engine.num_speculative_tokens, config.pipeline_depth,
-                             max_context=model_config.max_position_embeddings,
-                             balance_pipeline=config.balance_pipeline, fill_bubbles=config.fill_bubbles,
-                             pipeline_max_sessions=config.pipeline_max_sessions)
+        self.router = Router.from_config(config, config.engine, handles, self.drafter, tokenizer, model_config)
         self.tokenizer = tokenizer
 
     def _wait_placed(self, groups, what: str, bundle: dict, count: int = 1) -> None:

@@ -25,6 +25,7 @@ from cluster.errors import InvalidRequestError
 from cluster.rejection import rejection_sample
 from cluster.runner import TorchModelRunner
 from cluster.sampling import SamplingParams
+from cluster.tree import TokenTree, tree_rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,10 @@ class Round:
     token_ids: list[int]  # [k] drafts
     draft_probs: torch.Tensor | None  # [k, vocab_size] or None (deterministic proposer)
     bonus: bool
+    parents: list[int] | None = None  # the drafts form a token tree (cluster.tree); None: a chain
+
+    def tree(self) -> TokenTree | None:
+        return None if self.parents is None else TokenTree(self.token_ids, self.parents, self.draft_probs)
 
 
 @dataclass
@@ -138,6 +143,13 @@ class VerifierEngine:
             raise InvalidRequestError(f"round {rnd.round}: epoch {rnd.epoch} is ahead of the session's {state.epoch}")
         if k == 0 and not rnd.bonus:
             raise InvalidRequestError(f"round {rnd.round}: no drafts and no bonus asked: nothing to verify")
+        if rnd.parents is not None:
+            if not rnd.bonus or k == 0:
+                raise InvalidRequestError(f"round {rnd.round}: a token tree needs drafts and a bonus token")
+            try:
+                rnd.tree()
+            except ValueError as e:
+                raise InvalidRequestError(f"round {rnd.round}: malformed token tree: {e}") from None
         if state.num_tokens + k + 1 > self.runner.max_context:
             raise InvalidRequestError(f"round {rnd.round}: the session would exceed the context of {self.runner.max_context}")
 
@@ -174,10 +186,13 @@ class VerifierEngine:
                     break
             if not batch:
                 return 0
-            feeds = {sid: state.uncached + rnd.token_ids for sid, state, rnd, _ in batch}
+            feeds = {sid: state.uncached + rnd.token_ids for sid, state, rnd, _ in batch if rnd.parents is None}
             start = time.time()
             try:
                 logits = self.runner.extend_batch({s: f for s, f in feeds.items() if f})
+                for sid, state, rnd, _ in batch:  # token trees: a forward each, with the tree's mask
+                    if rnd.parents is not None:
+                        logits[sid] = self.runner.extend_tree(sid, state.uncached, rnd.tree())
             except Exception as e:  # a failed forward fails its rounds, loudly; the sessions survive
                 log.exception("verification forward failed")
                 for sid, state, rnd, callback in batch:
@@ -192,7 +207,8 @@ class VerifierEngine:
             results = []
             for sid, state, rnd, callback in batch:
                 state.pending.popleft()
-                results.append((callback, self._commit(sid, state, rnd, logits.get(sid), start, end)))
+                commit = self._commit if rnd.parents is None else self._commit_tree
+                results.append((callback, commit(sid, state, rnd, logits.get(sid), start, end)))
             self.rounds_verified += len(batch)
         for callback, result in results:  # outside the lock: callbacks may block on queues
             callback(result)
@@ -215,5 +231,22 @@ class VerifierEngine:
             state.uncached, state.next_logits = [result.output_token_ids[-1]], None
         else:
             state.uncached, state.next_logits = [], dists[k]
+        state.num_tokens += len(result.output_token_ids)
+        return out
+
+    def _commit_tree(self, sid: str, state: _Session, rnd: Round, rows: torch.Tensor,
+                     start: float, end: float) -> RoundResult:
+        """A token tree's round: `rows` are extend_tree's logits (the uncached token, then the nodes)."""
+        tree = rnd.tree()
+        num_prefix = len(state.uncached)
+        head = [] if num_prefix else [state.next_logits[None]]
+        dists = torch.cat(head + [rows[max(0, num_prefix - 1):]])  # [n + 1, vocab_size]: root, then each node
+        result = tree_rejection_sample(tree, dists, state.params, start_position=state.num_tokens)
+        self.runner.keep_tree_path(sid, state.num_tokens, result.node_path)  # uncached tokens now cached
+        out = RoundResult(sid, rnd.round, rnd.epoch, result.num_accepted, result.output_token_ids,
+                          result.recovered, result.bonus, verify_start=start, verify_end=end)
+        state.uncached, state.next_logits = [result.output_token_ids[-1]], None
+        if result.recovered:
+            state.epoch += 1
         state.num_tokens += len(result.output_token_ids)
         return out

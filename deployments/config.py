@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cluster.engine import EngineConfig
 from cluster.errors import ConfigError, validation_message
 from cluster.runtime import PlacementConfig
-from drafts.policy import SpeculationPolicyConfig
+from cluster.loop import LoopConfig
 
 
 class AutoscalingSpec(BaseModel):
@@ -74,19 +74,15 @@ def _default_drafter() -> DeploymentSpec:
     return DeploymentSpec(placement=PlacementConfig(num_cpus=1.0), max_ongoing_requests=64)
 
 
-class TandemAppConfig(BaseModel):
-    """The whole application: models, speculation, the four deployments and the API's limits."""
+class TandemAppConfig(LoopConfig):
+    """The whole application: models, speculation, the four deployments and the API's limits
+    (scheduling fields from `LoopConfig`, shared with the standalone runtime's config)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_id: str = Field("SmolLM2-135M-Instruct", min_length=1, description="Model name clients pass as `model` (and /v1/models lists).")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Target, draft / proposer, maximum γ, dtype, torch threads per model process.")
-    pipeline_depth: int = Field(2, ge=1, le=8, description="Rounds in flight per session; 1 = sequential speculative decoding.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target ranks per verifier replica (one STRICT_PACK placement group).")
-    balance_pipeline: bool = Field(True, description="Pipelined mode: cap γ at verify time / draft time per token.")
-    fill_bubbles: bool = Field(True, description="Pipelined mode: after a rejection, run a plain decoding step while the drafter redrafts.")
-    pipeline_max_sessions: int = Field(1, ge=1, description="Pipeline a session's rounds only while at most this many sessions share its verifier replica.")
-    speculation: SpeculationPolicyConfig = Field(default_factory=SpeculationPolicyConfig, description="The draft-length policy (γ per session, plain decoding when it does not pay).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out.")
     max_tokens_limit: int | None = Field(None, ge=1, description="Refuse requests asking for more tokens (None: only the context length limits).")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty: no authentication.")
@@ -100,6 +96,9 @@ class TandemAppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TandemAppConfig":
+        if self.engine.backend != "torch":
+            raise ValueError(f"engine.backend={self.engine.backend!r} is not served yet (only `tandem generate` and "
+                             "`tandem bench --engine vllm`); the Serve application runs engine.backend 'torch'")
         if self.max_tokens_limit is not None and self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} must be <= max_tokens_limit={self.max_tokens_limit}")
         if self.tensor_parallel_size > 1 and self.engine.device not in (None, "cpu") and self.verifier.placement.num_gpus < 1:

@@ -23,7 +23,7 @@ from ray import serve
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.errors import TandemError
-from cluster.router import VerifierLease, VerifierReplicaHandle
+from cluster.verifier_pool import VerifierLease, VerifierReplicaHandle
 from cluster.runtime import VerifierRank, free_port
 from cluster.transport import Endpoint
 

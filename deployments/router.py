@@ -71,15 +71,9 @@ class RouterDeployment:
         path = models.resolve_model_path(engine.target, engine.cache_dir)
         self.tokenizer = models.load_tokenizer(path)
         model_config = AutoConfig.from_pretrained(path)
-        eos = model_config.eos_token_id
         drafter = ServeDrafterPool(drafter_handle) if drafter_handle is not None else None
-        self.router = Router(ServeVerifierPool(verifier_handle), drafter, self.tokenizer,
-                             [eos] if isinstance(eos, int) else list(eos or []),
-                             engine.num_speculative_tokens, self.config.pipeline_depth,
-                             max_context=model_config.max_position_embeddings,
-                             balance_pipeline=self.config.balance_pipeline, policy=self.config.speculation,
-                             fill_bubbles=self.config.fill_bubbles,
-                             pipeline_max_sessions=self.config.pipeline_max_sessions)
+        self.router = Router.from_config(self.config, engine, ServeVerifierPool(verifier_handle), drafter,
+                                         self.tokenizer, model_config)
         self.max_context = model_config.max_position_embeddings
         slots = self.config.router.max_ongoing_requests
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="session")

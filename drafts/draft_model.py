@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -31,12 +31,15 @@ class DraftModelProposer(SequenceProposer):
 
     name = "draft"
 
-    def __init__(self, runner: TorchModelRunner, max_support: int | None = None):
+    def __init__(self, runner: TorchModelRunner, max_support: int | None = None, tree_width: int = 1):
         """`max_support`: sample from the draft's `max_support` most likely tokens (renormalised), so
-        q crosses the wire compactly. Any q keeps the output lossless: the verifier uses this one."""
+        q crosses the wire compactly. Any q keeps the output lossless: the verifier uses this one.
+        `tree_width` > 1: `propose_tree` adds the draft's next most likely tokens as siblings of the
+        first draft (a token tree, `cluster.tree`)."""
         super().__init__()
         self.runner = runner
         self.max_support = max_support
+        self.tree_width = tree_width
 
     def start(self, session: SessionId, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         super().start(session, prompt_ids, params)
@@ -47,11 +50,17 @@ class DraftModelProposer(SequenceProposer):
     def propose(self, session: SessionId, k: int) -> DraftProposal:
         return self.propose_batch({session: k})[session]
 
-    def propose_batch(self, requests: dict[SessionId, int]) -> dict[SessionId, DraftProposal]:
-        """Draft for several sessions at once: one batched forward per draft position."""
+    def propose_batch(self, requests: dict[SessionId, int], trees: Collection[SessionId] = ()
+                      ) -> dict[SessionId, DraftProposal]:
+        """Draft for several sessions at once: one batched forward per draft position. `trees`: sessions
+        whose proposal is a token tree, the chain plus `tree_width - 1` siblings of its first draft: the
+        draft's most likely other tokens there, chosen deterministically (one-hot rows, so the tree's
+        multi-candidate verification stays lossless, `cluster.tree`). The chain is what the session's
+        own sequence continues with."""
         wanted = {s: max(0, min(k, self.runner.max_context - len(self.tokens(s)))) for s, k in requests.items()}
         drafts: dict[SessionId, list[int]] = {s: [] for s in requests}
         rows: dict[SessionId, list[torch.Tensor]] = {s: [] for s in requests}
+        siblings: dict[SessionId, list[int]] = {s: [] for s in requests}
         for step in range(max(wanted.values(), default=0)):
             active = [s for s in requests if step < wanted[s]]
             feeds = {s: self.tokens(s)[self.runner.length(s) :] for s in active}  # usually one token each
@@ -67,9 +76,28 @@ class DraftModelProposer(SequenceProposer):
                         q = torch.zeros_like(q).scatter_(0, top.indices, top.values / top.values.sum())
                     token = sample(q, params.seed or 0, len(tokens), RandomStream.DRAFT)
                     rows[s].append(q)
+                if step == 0 and s in trees and self.tree_width > 1:
+                    ranked = torch.topk(logits[s][0], self.tree_width).indices.tolist()
+                    siblings[s] = [t for t in ranked if t != token][: self.tree_width - 1]
                 tokens.append(token)
                 drafts[s].append(token)
-        return {s: DraftProposal(drafts[s], torch.stack(rows[s]) if rows[s] else None) for s in requests}
+        return {s: self._proposal(drafts[s], rows[s], siblings[s]) for s in requests}
+
+    @staticmethod
+    def _proposal(chain: list[int], rows: list[torch.Tensor], siblings: list[int]) -> DraftProposal:
+        q = torch.stack(rows) if rows else None  # [k, vocab_size]
+        if not siblings or not chain:
+            return DraftProposal(chain, q)
+        # nodes: the chain's first draft, its siblings, then the rest of the chain (topological order)
+        token_ids = [chain[0], *siblings, *chain[1:]]
+        parents = [-1] * (1 + len(siblings))
+        if len(chain) > 1:
+            parents += [0, *range(len(siblings) + 1, len(siblings) + len(chain) - 1)]
+        if q is not None:
+            one_hot = torch.zeros(len(siblings), q.shape[-1])
+            one_hot[torch.arange(len(siblings)), torch.tensor(siblings)] = 1.0
+            q = torch.cat([q[:1], one_hot, q[1:]])
+        return DraftProposal(token_ids, q, parents)
 
     def rollback(self, session: SessionId, length: int, token_ids: Sequence[int] = ()) -> None:
         super().rollback(session, length, token_ids)

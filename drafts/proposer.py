@@ -24,6 +24,7 @@ SessionId = Hashable
 class DraftProposal:
     token_ids: list[int]  # [k]
     draft_probs: torch.Tensor | None = None  # [k, vocab_size]; None for a deterministic proposer
+    parents: list[int] | None = None  # a token tree (`cluster.tree.TokenTree` order); None: a chain
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -35,6 +35,30 @@ class OracleProposer(SequenceProposer):
         return DraftProposal(nxt, None)
 
 
+class SiblingOracleProposer(OracleProposer):
+    """Proposes token trees whose own chain starts with a wrong token and whose second candidate at
+    the first position is the reference's (`tree_width` 2): every round is won by the sibling branch."""
+
+    tree_width = 2
+
+    def propose_batch(self, requests, trees=()):
+        out = {}
+        for session, k in requests.items():
+            tokens = self.tokens(session)
+            n = self._prompt_len[session]
+            right = (list(tokens[:n]) + self.references[tuple(tokens[:n])])[len(tokens): len(tokens) + k]
+            if session not in trees or not right:
+                out[session] = self.propose(session, k)
+                continue
+            wrong = [(t + 1) % self.vocab_size for t in right]
+            tokens.extend(wrong)  # the proposer's own sequence follows its chain
+            # nodes: wrong[0], right[0] (sibling), then the wrong chain under wrong[0]
+            token_ids = [wrong[0], right[0], *wrong[1:]]
+            parents = [-1, -1] + ([0, *range(2, len(wrong))] if len(wrong) > 1 else [])
+            out[session] = DraftProposal(token_ids, None, parents)
+        return out
+
+
 def tiny_llama(seed: int, vocab_size: int = 10, sharpness: float = 8.0) -> LlamaForCausalLM:
     """A small random Llama whose next-token distributions are peaked (so p and q differ clearly)."""
     torch.manual_seed(seed)

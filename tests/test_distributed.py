@@ -14,6 +14,7 @@ from cluster.engine import EngineConfig
 from cluster.errors import ConfigError
 from cluster.runtime import ClusterConfig, PlacementConfig, TandemCluster, init_local_ray
 from cluster.sampling import SamplingParams
+from drafts.policy import SpeculationPolicyConfig
 from protos import pb
 
 MAX_TOKENS = 32
@@ -39,6 +40,7 @@ def ray_local():
 def start(ray_local, **kwargs) -> TandemCluster:
     engine = dict(dtype="float32", proposer="draft", num_speculative_tokens=4, threads=1)
     engine.update(kwargs.pop("engine", {}))
+    kwargs.setdefault("speculation", SpeculationPolicyConfig(adaptive=False))  # γ pinned: rounds as asserted
     return TandemCluster(ClusterConfig(engine=EngineConfig(**engine), **kwargs))
 
 
@@ -80,11 +82,28 @@ def test_pipelined_greedy_equality_and_overlap(pipelined, prompt_ids, references
 
 
 def test_sequential_greedy_equality_without_overlap(ray_local, prompt_ids, references):
-    cluster = start(ray_local, pipeline_depth=1)
+    """Sequential rounds drafted as token trees (the draft's top-2 at the first position) over gRPC."""
+    cluster = start(ray_local, pipeline_depth=1, engine=dict(tree_width=2))
     try:
         timelines: list = []
         _check_all(cluster, prompt_ids, references, timelines)
         assert _overlaps(timelines) == 0, "depth 1 drafts only after the previous verification"
+        metrics = cluster.router.metrics
+        assert metrics.tree_rounds > 0.8 * metrics.rounds  # all but the plain last steps
+        assert metrics.tree_branch_hits > 0, "a sibling of the first draft must have been accepted"
+    finally:
+        cluster.shutdown()
+
+
+def test_continuous_drafting_greedy_equality(ray_local, prompt_ids, references):
+    """The drafter actor drafts ahead (`Drafter.take`/`resync`); rejections cancel its stale drafting."""
+    cluster = start(ray_local, pipeline_depth=2, continuous=True)
+    try:
+        _check_all(cluster, prompt_ids[:4] + prompt_ids[8:10], references)
+        stats = ray.get(cluster.drafter.stats.remote())
+        assert stats["ahead_steps"] > 0 and stats["ahead_cancels"] > 0
+        assert stats["ahead_stale_tokens"] <= stats["ahead_cancels"]  # one step in progress at most
+        assert cluster.router.metrics.rounds > 0 and stats["sessions"] == 0
     finally:
         cluster.shutdown()
 

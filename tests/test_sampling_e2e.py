@@ -65,8 +65,8 @@ def tiny_pair():
 PROMPT = [1, 4, 2, 7]
 
 
-def _sample_many(target_model, proposer_factory, params, n, length, gamma):
-    decoder = SpeculativeDecoder(TorchModelRunner(target_model), proposer_factory(), None, gamma)
+def _sample_many(target_model, proposer_factory, params, n, length, gamma, **loop):
+    decoder = SpeculativeDecoder(TorchModelRunner(target_model), proposer_factory(), None, gamma, **loop)
     return [tuple(decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": length})).token_ids)
             for i in range(n)]
 
@@ -86,6 +86,59 @@ def test_ngram_speculation_follows_target(tiny_pair):
     params = SamplingParams(temperature=1.0)
     exact = exact_continuation_probs(target, PROMPT, 3, params)
     samples = _sample_many(target, NGramProposer, params, 2500, 3, gamma=3)
+    assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+
+
+@pytest.mark.parametrize("gamma", [1, 2])
+def test_pipelined_loop_sampling_follows_target(tiny_pair, gamma):
+    """Depth-2 chain with bubble filling (first drafts tested against the previous round's last row,
+    plain steps whose redraft continues on a match): four tokens against the exact distribution."""
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(target, PROMPT, 4, params)
+    decoder = SpeculativeDecoder(TorchModelRunner(target), DraftModelProposer(TorchModelRunner(draft)), None, gamma,
+                                 pipeline_depth=2, overlap=True)
+    samples = [tuple(decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": 4})).token_ids)
+               for i in range(3000)]
+    m = decoder.metrics
+    assert m.bubble_fill_hits > 0 and m.bubble_fill_misses > 0 and m.stale_rounds > 0  # every path of the chain ran
+    assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_continuous_drafting_sampling_follows_target(tiny_pair, depth):
+    """Rounds take whatever the drafter drafted ahead (timing-dependent, verification-independent)."""
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(target, PROMPT, 3, params)
+    # fill_min_redraft high: the loop always waits for drafts (with these tiny models c ≈ 1, and it would
+    # otherwise send plain steps while the drafter catches up)
+    decoder = SpeculativeDecoder(TorchModelRunner(target), DraftModelProposer(TorchModelRunner(draft)), None, 2,
+                                 pipeline_depth=depth, continuous=True, fill_min_redraft=100.0)
+    try:
+        results = [decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3}))
+                   for i in range(2000)]
+        samples = [tuple(r.token_ids) for r in results]
+        drafted = sum(r.stats.drafted for r in results)
+        accepted = sum(r.stats.accepted for r in results)
+        assert decoder.ahead.cancels > 0 and drafted > accepted > 0.1 * drafted
+        assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+    finally:
+        decoder.ahead.stop()
+
+
+def test_token_tree_rounds_sampling_follows_target(tiny_pair):
+    """Sequential rounds as token trees: a sampled first draft plus the draft's next most likely token
+    as a deterministic sibling (one-hot row), then a sampled chain."""
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(target, PROMPT, 3, params)
+    decoder = SpeculativeDecoder(TorchModelRunner(target), DraftModelProposer(TorchModelRunner(draft), tree_width=2),
+                                 None, 2)
+    samples = [tuple(decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})).token_ids)
+               for i in range(2500)]
+    m = decoder.metrics
+    assert m.tree_rounds > 0 and m.tree_branch_hits > 0.02 * m.tree_rounds  # siblings do win
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
 
 

@@ -1,0 +1,363 @@
+"""The speculation loop of one session: transport-free, over a verifier port and a drafter port.
+
+It keeps up to `pipeline_depth` rounds in flight (depth 1 = ordinary sequential speculative decoding,
+with a bonus token each fully accepted round). While round r is verified the drafter drafts round
+r+1 as if r were accepted. On a rejection: bump the epoch, forget in-flight rounds (the verifier
+answers them `stale`), roll the drafter back to the committed tokens plus the recovered token, draft
+again; meanwhile the verifier runs a plain decoding step (`fill_bubbles`), and the redraft goes on if
+its first token matches. A session whose verifier is shared by others sends sequential rounds
+(`pipeline_max_sessions`).
+
+The same loop runs in one process (`cluster.ports`, used by `SpeculativeDecoder` and the fast tests)
+and distributed (`cluster.remote_ports`: gRPC to a verifier replica, Ray to the drafter), where the
+router wraps it with placement and replay (`cluster.router`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.errors import TandemError
+from cluster.messages import DraftReply, SyncOp
+from cluster.ports import DrafterPort, VerifierPort
+from cluster.sampling import SamplingParams
+from cluster.stats import SpeculationStats, ema
+from cluster.stopping import StopChecker
+from drafts.policy import SessionPolicy, SpeculationPolicyConfig
+
+
+class LoopConfig(BaseModel):
+    """How sessions schedule their rounds: one model, the base of both the standalone runtime's
+    `ClusterConfig` and the Serve application's `TandemAppConfig` (their fields of the same names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pipeline_depth: int = Field(2, ge=1, le=8, description="Rounds in flight per session; 1 = sequential speculative decoding.")
+    balance_pipeline: bool = Field(True, description="Pipelined mode: cap γ per round at verify time / draft time per token, so neither side idles.")
+    fill_bubbles: bool = Field(True, description="Pipelined mode: after a rejection, run a plain decoding step while the drafter redrafts.")
+    fill_min_redraft: float = Field(0.5, ge=0.0, description="Fill a bubble only when redrafting (γ + 1 tokens at the measured c) takes at least this many verify steps: with a fast draft the plain step delays the next round more than its token gains, so the verifier waits for the redraft instead.")
+    pipeline_max_sessions: int = Field(1, ge=1, description="Pipeline a session's rounds only while at most this many sessions share its verifier replica (beyond, sequential rounds with their bonus token commit more per forward).")
+    continuous: bool = Field(False, description="Continuous asynchronous drafting (pipelined): the drafter drafts ahead without waiting for rounds, each verifier step takes what has been drafted (up to γ), and a rejection cancels stale drafting at once.")
+    lookahead: int = Field(8, ge=1, le=64, description="Continuous drafting: most tokens drafted beyond the committed ones.")
+    speculation: SpeculationPolicyConfig = Field(default_factory=SpeculationPolicyConfig, description="The draft-length policy (γ per session from the cost model, plain decoding when it does not pay).")
+
+
+@dataclass
+class LoopMetrics:
+    """Counters of a router (or decoder), summed over its sessions."""
+
+    sessions: int = 0
+    rounds: int = 0
+    stale_rounds: int = 0
+    replays: int = 0  # sessions moved to another verifier replica after a failure
+    drafter_fallbacks: int = 0  # sessions that lost their drafter and went on with plain decoding
+    pipeline_stalls: int = 0  # pipelined rounds sent when the verifier had nothing queued for the session
+    bubble_fills: int = 0  # plain steps run while the drafter redrafted after a rejection
+    bubble_fill_misses: int = 0  # ... whose token the redrafted first draft did not match (drafts dropped)
+    bubble_fill_hits: int = 0  # ... whose redraft went on as the next round (a fill can also end its session)
+    shared_sequential_rounds: int = 0  # rounds sent sequentially (not pipelined) because the verifier was shared
+    tree_rounds: int = 0  # rounds whose drafts were a token tree (siblings at the first position)
+    tree_branch_hits: int = 0  # ... whose accepted branch left the drafter's own chain (a sibling won)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+
+class CostEstimates:
+    """Online estimates shared by the sessions of one router or decoder: c and the verifier's load."""
+
+    def __init__(self) -> None:
+        self.draft_token_s = 0.0  # EMA of draft time per token
+        self.verify_s = 0.0  # EMA of one verify step
+        self.last_load = 0  # sessions on a verifier replica, as last reported
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Measured c: draft time per token over one verify step (None until both are measured)."""
+        if self.draft_token_s > 0 and self.verify_s > 0:
+            return self.draft_token_s / self.verify_s
+        return None
+
+    def record_draft(self, seconds: float, num_drafts: int) -> None:
+        if num_drafts:
+            self.draft_token_s = ema(self.draft_token_s, seconds / num_drafts)
+
+    def record_verify(self, seconds: float) -> None:
+        self.verify_s = ema(self.verify_s, seconds)
+
+
+@dataclass
+class RoundTiming:
+    round: int
+    draft_start: float
+    draft_end: float
+    verify_start: float = 0.0
+    verify_end: float = 0.0
+    sent: float = 0.0  # caller's clock around the round trip
+    received: float = 0.0
+
+
+@dataclass
+class InFlight:
+    """A round sent and not yet answered."""
+
+    timing: RoundTiming
+    epoch: int
+    num_drafts: int  # the drafts' chain (a token tree's siblings are not counted)
+    stale: bool = False  # drafted before a rejection: its answer commits nothing
+    tree_chain: list[int] | None = None  # a token tree's round: the drafter's own continuation
+
+
+@dataclass
+class SessionState:
+    """What a session keeps across verifiers (a replay starts a new `run` from it)."""
+
+    session: str
+    params: SamplingParams
+    committed: list[int]  # prompt + output: the source of truth
+    output: list[int]
+    stats: SpeculationStats
+    policy: SessionPolicy
+    max_gamma: int
+    sync: list[SyncOp] = field(default_factory=list)  # owed to the drafter, sent with the next propose
+
+    def take_sync(self) -> list[SyncOp]:
+        ops, self.sync = self.sync, []
+        return ops
+
+
+@dataclass
+class _Pipeline:
+    """One `run`'s rounds on one verifier connection."""
+
+    epoch: int = 0
+    optimistic: int = 0  # drafted tokens in flight beyond the committed ones
+    in_flight: deque[InFlight] = field(default_factory=deque)
+    round_ids: itertools.count = field(default_factory=itertools.count)
+    verifier_sessions: int = 0
+    fill: tuple[int, object] | None = None  # (round, pending proposal): a plain step while the drafter redrafts
+
+
+class SessionLoop:
+    def __init__(self, state: SessionState, drafter: DrafterPort | None, stops: StopChecker, config: LoopConfig,
+                 estimates: CostEstimates, metrics: LoopMetrics,
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 cancelled: threading.Event | None = None, timeline: list[RoundTiming] | None = None):
+        self.state, self.drafter, self.stops, self.config = state, drafter, stops, config
+        self.estimates, self.metrics = estimates, metrics
+        self.on_tokens, self.cancelled, self.timeline = on_tokens, cancelled, timeline
+
+    @property
+    def drafting(self) -> bool:
+        return self.drafter is not None and self.drafter.alive
+
+    def _gamma(self, remaining: int, bonus: bool, verifier_sessions: int) -> int:
+        limit = min(self.state.max_gamma, remaining - (1 if bonus else 0))
+        cost = self.estimates.cost_ratio
+        if not bonus and self.config.balance_pipeline and cost:  # a pipelined round
+            limit = min(limit, max(1, round(1 / cost)))
+        return self.state.policy.gamma(remaining, limit, cost, verifier_sessions, pipelined=not bonus)
+
+    def _cost(self) -> float:
+        """c: measured, else the policy's prior."""
+        return self.estimates.cost_ratio or self.state.policy.policy.config.prior_cost_ratio
+
+    def _record_draft(self, seconds: float, num_drafts: int) -> None:
+        self.state.stats.draft_s += seconds
+        self.estimates.record_draft(seconds, num_drafts)
+
+    def _send(self, verifier: VerifierPort, p: _Pipeline, draft: DraftReply | None, bonus: bool,
+              timing: RoundTiming) -> None:
+        chain = draft.chain() if draft is not None else []
+        num_drafts = len(chain)
+        verifier.send(timing.round, p.epoch, bonus, draft)
+        timing.sent = time.time()
+        tree_chain = chain if draft is not None and draft.parents is not None else None
+        p.in_flight.append(InFlight(timing, p.epoch, num_drafts, tree_chain=tree_chain))
+        p.optimistic += num_drafts
+        self.state.stats.record_gamma(num_drafts)
+
+    def run(self, verifier: VerifierPort) -> str:
+        """Drive rounds until a stop; returns the finish reason. A transport error of the verifier port
+        propagates (the caller may replay the session onto another verifier and `run` again)."""
+        p = _Pipeline()
+        while True:
+            if self.cancelled is not None and self.cancelled.is_set():
+                return "cancelled"
+            self._fill_pipeline(verifier, p)
+            finish = self._receive(verifier, p)
+            if finish:
+                return finish
+
+    def _fill_continuous(self, verifier: VerifierPort, p: _Pipeline) -> None:
+        """Continuous drafting: send what the drafter has drafted ahead (up to γ a round) until `depth`
+        rounds are in flight; with nothing in flight and nothing drafted, wait for the first redraft
+        (fast draft) or send a plain step meanwhile (slow draft, or a dry n-gram drafter)."""
+        s, config = self.state, self.config
+        live = sum(1 for entry in p.in_flight if not entry.stale)
+        while live < config.pipeline_depth:
+            remaining = s.params.max_tokens - len(s.output) - p.optimistic
+            if remaining <= 0:
+                return
+            k = self._gamma(remaining, False, p.verifier_sessions) if self.drafting else 0
+            if k > 0 and not self.drafter.started:  # the drafter joins late, from the committed tokens
+                self.drafter.start(list(s.committed))
+            t0 = time.time()
+            draft = self.drafter.take(k, wait=False) if k > 0 and self.drafting else None
+            if draft is None and not live and k > 0 and self.drafting:
+                if self._cost() < config.fill_min_redraft:  # its first token comes sooner than a plain step
+                    draft = self.drafter.take(k, wait=True)
+            if draft is None:
+                if live:
+                    return  # wait for the rounds in flight
+                self._send(verifier, p, None, True, RoundTiming(next(p.round_ids), t0, t0))  # a plain step
+                return
+            self._send(verifier, p, draft, False, RoundTiming(next(p.round_ids), draft.start, draft.end))
+            self.estimates.record_draft(self.drafter.draft_token_s, 1)  # the drafter's own step time
+            live += 1
+
+    def _fill_pipeline(self, verifier: VerifierPort, p: _Pipeline) -> None:
+        """Send rounds until `depth` are in flight (or a plain step, or a bubble fill, ends the batch)."""
+        if self.config.continuous:
+            return self._fill_continuous(verifier, p)
+        s, config, stats = self.state, self.config, self.state.stats
+        live = sum(1 for entry in p.in_flight if not entry.stale)
+        depth = config.pipeline_depth if p.verifier_sessions <= config.pipeline_max_sessions else 1
+        sequential = depth == 1
+        while p.fill is None and live < depth:
+            remaining = s.params.max_tokens - len(s.output) - p.optimistic
+            if remaining <= 0:
+                return
+            bonus = sequential
+            k = self._gamma(remaining, bonus, p.verifier_sessions) if self.drafting else 0
+            if k > 0 and not self.drafter.started:
+                if live:
+                    k = 0
+                else:  # the drafter joins late, from the committed tokens
+                    s.sync = []
+                    self.drafter.start(list(s.committed))
+                    k = k if self.drafting else 0
+            if (k > 0 and not live and not sequential and config.fill_bubbles and stats.rounds > 0
+                    and remaining > 2 and (k + 1) * self._cost() >= config.fill_min_redraft):
+                # After a rejection the verifier would idle while the drafter drafts from the corrected
+                # token. Give it a plain decoding step meanwhile, and ask the drafter for one draft more:
+                # if its first draft equals the step's token, the rest go on as the next round.
+                pending = self.drafter.propose(k + 1, s.take_sync())
+                if pending is not None:
+                    t = time.time()
+                    timing = RoundTiming(next(p.round_ids), t, t)
+                    self._send(verifier, p, None, True, timing)
+                    p.fill = (timing.round, pending)
+                    self.metrics.add(bubble_fills=1)
+                    return
+            t0 = time.time()
+            draft = None
+            if k > 0 and self.drafting:
+                draft = self.drafter.result(self.drafter.propose(k, s.take_sync(), tree=bonus))
+                if draft is not None and not draft.token_ids:
+                    draft = None
+            t1 = time.time()
+            if draft is None:
+                if live:
+                    return  # nothing to add: wait for the rounds in flight
+                bonus = True  # a plain decoding step
+            if not sequential and not p.in_flight and stats.rounds > 0:
+                self.metrics.add(pipeline_stalls=1)  # the verifier had nothing queued for this session
+            self._send(verifier, p, draft, bonus, RoundTiming(next(p.round_ids), t0, t1))
+            if sequential and config.pipeline_depth > 1:
+                self.metrics.add(shared_sequential_rounds=1)
+            live += 1
+            self._record_draft(t1 - t0, len(draft.chain()) if draft is not None else 0)
+            if bonus:
+                return  # the next round starts from this one's bonus token
+
+    def drop_in_flight_drafts(self) -> None:
+        """The rounds in flight are lost (a replay onto another verifier): the drafter goes on from the
+        committed tokens."""
+        if self.config.continuous:
+            if self.drafting and self.drafter.started:
+                self.drafter.resync(len(self.state.committed), [], 0, 0)  # drafts beyond it are sent again
+        else:
+            self.state.sync.append(SyncOp(length=len(self.state.committed)))
+
+    def _sync_continuous(self, result, entry: InFlight) -> None:
+        """Tell a drafting-ahead drafter at once what was committed (rejections cancel stale drafting)."""
+        if not self.drafting or not self.drafter.started:
+            return
+        committed = self.state.committed
+        if result.recovered or result.bonus:
+            self.drafter.resync(len(committed) - 1, committed[-1:], entry.num_drafts, result.num_accepted)
+        else:
+            self.drafter.commit(len(committed), result.num_accepted, entry.num_drafts)
+
+    def _receive(self, verifier: VerifierPort, p: _Pipeline) -> str | None:
+        """Take the oldest round's result and commit it; the finish reason when the session is done."""
+        s, stats = self.state, self.state.stats
+        result, active_sessions = verifier.receive()
+        received = time.time()
+        entry = p.in_flight.popleft()
+        timing = entry.timing
+        if result.round != timing.round:
+            raise TandemError(f"verifier answered round {result.round}, expected {timing.round}")
+        if entry.stale or result.stale:
+            self.metrics.add(stale_rounds=1)
+            return None
+        p.verifier_sessions = self.estimates.last_load = active_sessions
+        timing.verify_start, timing.verify_end, timing.received = result.verify_start, result.verify_end, received
+        self.estimates.record_verify(result.verify_end - result.verify_start)
+        stats.verify_s += result.verify_end - result.verify_start
+        if self.timeline is not None:
+            self.timeline.append(timing)
+        p.optimistic -= entry.num_drafts
+        stats.record_round(entry.num_drafts, result.num_accepted)
+        s.policy.learn(entry.num_drafts, result.num_accepted)
+        self.metrics.add(rounds=1)
+        new_tokens = list(result.output_token_ids)
+        s.committed.extend(new_tokens)
+        op = SyncOp(num_drafted=entry.num_drafts, num_accepted=result.num_accepted)
+        if result.recovered or result.bonus:  # the drafter continues from the corrected token
+            op = SyncOp(len(s.committed) - 1, new_tokens[-1:], entry.num_drafts, result.num_accepted)
+        if entry.tree_chain is not None:
+            self.metrics.add(tree_rounds=1)
+            if new_tokens[:-1] != entry.tree_chain[: len(new_tokens) - 1]:
+                # the accepted branch left the drafter's own chain: it re-reads the branch
+                op = SyncOp(len(s.committed) - len(new_tokens), new_tokens, entry.num_drafts, result.num_accepted)
+                self.metrics.add(tree_branch_hits=1)
+        if result.recovered:
+            p.epoch += 1
+            p.optimistic = 0
+            for other in p.in_flight:
+                other.stale = True
+        if self.config.continuous:
+            self._sync_continuous(result, entry)
+        before = len(s.output)
+        finish = self.stops.commit(s.output, new_tokens)
+        if self.on_tokens is not None and len(s.output) > before:
+            self.on_tokens(s.output[before:])
+        if finish or self.config.continuous:
+            return finish
+        if p.fill is not None and timing.round == p.fill[0]:
+            draft = self.drafter.result(p.fill[1])
+            p.fill = None
+            # Lossless either way: the next round's drafts were drawn from q given the drafter's own
+            # first token; when that equals the committed one they are ordinary drafts from here.
+            if draft is not None and len(draft.token_ids) > 1 and draft.token_ids[0] == new_tokens[-1]:
+                s.sync.append(op.without_rollback())  # the drafter's sequence already continues with it
+                rest = draft.sliced(1, 1 + s.params.max_tokens - len(s.output))
+                self._record_draft(draft.draft_s, len(draft.token_ids))
+                self.metrics.add(bubble_fill_hits=1)
+                self._send(verifier, p, rest, False, RoundTiming(next(p.round_ids), draft.start, draft.end))
+                return None
+            self.metrics.add(bubble_fill_misses=1)
+        s.sync.append(op)
+        return None

@@ -14,6 +14,7 @@ from cluster.runner import TorchModelRunner
 from cluster.speculate import SpeculativeDecoder
 from cluster.transport import NetworkConfig
 from drafts.draft_model import DraftModelProposer, quantized_copy
+from drafts.hybrid import HybridProposer
 from drafts.small_draft import is_tandem_draft, load_draft
 from drafts.ngram import NGramProposer
 from drafts.proposer import Proposer
@@ -29,7 +30,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     target: str = Field("default", description="Target model: 'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory.")
-    proposer: Literal["draft", "ngram", "none"] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model) or 'none' (plain target decoding).")
+    proposer: Literal["draft", "ngram", "hybrid", "none"] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model), 'hybrid' (a suffix match when one is long enough, else the draft model, chosen per round from each one's acceptance) or 'none' (plain target decoding).")
     draft: str = Field(INT8_DRAFT, description="Draft model for proposer 'draft': 'int8' (int8 dynamic-quantized copy of the target), a tandem draft directory (`tandem drafts distill`) or a local model directory with the target's tokenizer.")
     num_speculative_tokens: int = Field(3, ge=0, le=32, description="Tokens drafted per round (γ); 0 is plain target decoding.")
     dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Target (and model draft) dtype; the int8 draft computes in float32.")
@@ -37,7 +38,9 @@ class EngineConfig(BaseModel):
     threads: int | None = Field(1, ge=1, description="torch intra-op threads for this process (None leaves torch's default).")
     cache_dir: str | None = Field(None, description="Model cache root (default $TANDEM_CACHE_DIR or ~/.cache/tandem).")
     max_ngram: int = Field(3, ge=1, le=16, description="Longest n-gram the prompt-lookup proposer matches.")
+    tree_width: int = Field(1, ge=1, le=4, description="Draft-model proposer, sequential rounds: candidates at the first draft position (the draft's most likely tokens, verified as a token tree in one forward); 1 drafts a chain.")
     network: NetworkConfig = Field(default_factory=NetworkConfig, description="The verifier's internal gRPC service: the address it binds and advertises ('node' or 'loopback') and optional TLS; calls always need the cluster secret.")
+    backend: Literal["torch", "vllm"] = Field("torch", description="Target engine: 'torch' (tandem's own runner over transformers' models, the default) or 'vllm' (vLLM owns the target and its decoding loop; tandem's drafter proposes through vLLM's custom proposer class; needs `pip install -e '.[vllm]'`).")
 
     @classmethod
     def build(cls, **kwargs) -> "EngineConfig":
@@ -60,10 +63,17 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_to
         path = models.resolve_model_path(config.draft, config.cache_dir)
         models.check_same_tokenizer(target_tokenizer, models.load_tokenizer(path), str(path))
         draft_model = models.load_causal_lm(path, config.dtype, config.device)
-    return DraftModelProposer(TorchModelRunner(draft_model, name="draft"))
+    model = DraftModelProposer(TorchModelRunner(draft_model, name="draft"), tree_width=config.tree_width)
+    if config.proposer == "hybrid":
+        return HybridProposer(model, max_ngram=config.max_ngram)
+    return model
 
 
 def build_decoder(config: EngineConfig) -> SpeculativeDecoder:
+    if config.backend == "vllm":  # same verbs: .tokenizer, .generate(prompt_ids, params); also .shutdown()
+        from cluster.vllm_engine import build_vllm_decoder
+
+        return build_vllm_decoder(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     path = models.resolve_model_path(config.target, config.cache_dir)

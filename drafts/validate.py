@@ -7,6 +7,10 @@ commits one more token (recovered or bonus). Replaying rounds over that agreemen
 acceptance by draft position and mean accepted length for every γ without running γ separate loops.
 The cost ratio c is timed here (one draft step / one target step, both with a KV cache, threads
 pinned). Predicted speedups use the measured E(γ) with the sequential and pipelined formulas.
+
+Per source (`sources`): the same continuations replayed through the suffix-match source alone (c = 0;
+a plain step where nothing matches) and through the hybrid proposer (`drafts/hybrid.py`, its own
+per-round choice, the model's rounds costing the measured c), round by round, for every γ.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from cluster.runner import TorchModelRunner
+from cluster.sampling import SamplingParams
 from drafts.cost_model import speedup_from_tokens
+from drafts.hybrid import MODEL, NGRAM, HybridProposer, suffix_match
+from drafts.proposer import DraftProposal, SequenceProposer
 
 
 @dataclass
@@ -81,6 +88,97 @@ def time_step(model, prompt_ids: list[int], steps: int = 24) -> float:
     return sorted(times)[len(times) // 2]
 
 
+class _ReplayDraft(SequenceProposer):
+    """The draft model as `agreement` measured it: the target's token while the draft agrees, then a
+    token that matches nothing (-1); `None` agreement: a source that never drafts."""
+
+    def __init__(self, prompt_len: int, record: Agreement | None):
+        super().__init__()
+        self.prompt_len, self.record = prompt_len, record
+
+    def propose(self, session, k: int) -> DraftProposal:
+        tokens = self.tokens(session)
+        drafts, i = [], len(tokens) - self.prompt_len
+        while self.record is not None and len(drafts) < k and i < len(self.record.agree):
+            drafts.append(self.record.tokens[i] if self.record.agree[i] else -1)
+            if drafts[-1] == -1:
+                break
+            i += 1
+        tokens.extend(drafts)
+        return DraftProposal(drafts, None)
+
+
+def replay_sources(prompt_ids: list[int], record: Agreement, gamma: int, cost_ratio: float,
+                   hybrid: bool = True, min_match: int = 1) -> dict:
+    """Rounds of the sequential loop along the target's continuation with the hybrid proposer
+    (`hybrid=False`: the suffix match alone, a plain step where nothing matches): tokens, time in
+    target steps (a model draft costs `cost_ratio`, a match nothing) and drafted / accepted per source."""
+    model = _ReplayDraft(len(prompt_ids), record if hybrid else None)
+    proposer = HybridProposer(model, min_match=min_match, cost_ratio=cost_ratio, history_tokens=0,
+                              **({} if hybrid else {"confident_match": min_match}))  # alone: every match
+    proposer.start("r", prompt_ids, SamplingParams())
+    tokens, n = record.tokens, len(record.tokens)
+    out = {"tokens": n, "rounds": 0, "time": 0.0, **{f"{s}_{x}": 0 for s in (NGRAM, MODEL) for x in ("rounds", "drafted", "accepted")}}
+    pos = 0
+    while pos < n:
+        k = min(gamma, n - pos - 1)
+        before = proposer.stats[NGRAM].rounds
+        drafts = proposer.propose("r", k).token_ids if k > 0 else []
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == tokens[pos + accepted]:
+            accepted += 1
+        proposer.rollback("r", len(prompt_ids) + pos + accepted, [tokens[pos + accepted]])
+        proposer.learn("r", len(drafts), accepted)
+        if drafts:
+            source = NGRAM if proposer.stats[NGRAM].rounds > before else MODEL
+            out[f"{source}_rounds"] += 1
+            out[f"{source}_drafted"] += len(drafts)
+            out[f"{source}_accepted"] += accepted
+            out["time"] += len(drafts) * (cost_ratio if source == MODEL else 0.0)
+        out["rounds"] += 1
+        out["time"] += 1.0
+        pos += accepted + 1
+    proposer.release("r")
+    return out
+
+
+def source_report(prompts: list[list[int]], records: list[Agreement], cost_ratio: float, max_gamma: int,
+                  min_match: int = 1) -> dict:
+    """α, c and predicted sequential speedup per source (the suffix match alone, the hybrid) and γ."""
+    matched = agreed = positions = 0
+    for ids, r in zip(prompts, records):
+        for i, token in enumerate(r.tokens):
+            sequence = ids + r.tokens[:i]
+            drafts, _ = suffix_match(sequence, sequence, 1, 3, min_match, max_match=8)  # as the hybrid looks up
+            positions += 1
+            if drafts:
+                matched += 1
+                agreed += int(drafts[0] == token)
+    report = {"ngram": {"alpha": agreed / matched if matched else 0.0, "coverage": matched / positions if positions else 0.0,
+                        "cost_ratio": 0.0, "min_match": min_match, "by_gamma": []},
+              "hybrid": {"cost_ratio": cost_ratio, "by_gamma": []}}
+    for gamma in range(1, max_gamma + 1):
+        for kind in ("ngram", "hybrid"):
+            total: dict = {}
+            for ids, r in zip(prompts, records):
+                for key, value in replay_sources(ids, r, gamma, cost_ratio, kind == "hybrid", min_match).items():
+                    total[key] = total.get(key, 0) + value
+            rounds = total["rounds"] or 1
+            row = {"gamma": gamma, "mean_accepted_length": total["tokens"] / rounds,
+                   "predicted_sequential_speedup": total["tokens"] / total["time"] if total["time"] else 1.0}
+            for source in (NGRAM, MODEL) if kind == "hybrid" else (NGRAM,):
+                drafted = total[f"{source}_drafted"]
+                row[source] = {"rounds": total[f"{source}_rounds"], "drafted": drafted,
+                               "accepted": total[f"{source}_accepted"],
+                               "acceptance_rate": total[f"{source}_accepted"] / drafted if drafted else 0.0}
+            report[kind]["by_gamma"].append(row)
+    for kind in ("ngram", "hybrid"):
+        best = max(report[kind]["by_gamma"], key=lambda g: g["predicted_sequential_speedup"])
+        report[kind].update(recommended_gamma=best["gamma"],
+                            best_predicted_sequential_speedup=best["predicted_sequential_speedup"])
+    return report
+
+
 def validate(target, draft, prompts: list[list[int]], max_tokens: int = 64, max_gamma: int = 8,
              timing_prompt: list[int] | None = None) -> dict:
     records = [agreement(target, draft, ids, max_tokens) for ids in prompts]
@@ -114,7 +212,8 @@ def validate(target, draft, prompts: list[list[int]], max_tokens: int = 64, max_
             "by_gamma": per_gamma, "recommended_gamma": best_seq["gamma"],
             "recommended_gamma_pipelined": best_pipe["gamma"],
             "best_predicted_sequential_speedup": best_seq["predicted_sequential_speedup"],
-            "best_predicted_pipelined_speedup": best_pipe["predicted_pipelined_speedup"]}
+            "best_predicted_pipelined_speedup": best_pipe["predicted_pipelined_speedup"],
+            "sources": source_report(prompts, records, c, max_gamma)}
 
 
 def plot(report: dict, path: str) -> None:
@@ -152,5 +251,17 @@ def format_report(report: dict) -> str:
     lines.append(f"recommended γ: {report['recommended_gamma']} sequential "
                  f"({report['best_predicted_sequential_speedup']:.2f}x), {report['recommended_gamma_pipelined']} "
                  f"pipelined ({report['best_predicted_pipelined_speedup']:.2f}x)")
+    sources = report.get("sources")
+    if sources:
+        ngram, hybrid = sources["ngram"], sources["hybrid"]
+        h = hybrid["by_gamma"][hybrid["recommended_gamma"] - 1]
+        share = h[NGRAM]["rounds"] / max(1, h[NGRAM]["rounds"] + h[MODEL]["rounds"])
+        lines += [f"per source (sequential): model α {report['alpha']:.3f} c {report['cost_ratio']:.3f} "
+                  f"{report['best_predicted_sequential_speedup']:.2f}x (γ {report['recommended_gamma']}); "
+                  f"suffix match α {ngram['alpha']:.3f} where one exists ({ngram['coverage']:.0%} of positions) "
+                  f"c 0 {ngram['best_predicted_sequential_speedup']:.2f}x (γ {ngram['recommended_gamma']}); "
+                  f"hybrid {hybrid['best_predicted_sequential_speedup']:.2f}x (γ {hybrid['recommended_gamma']}, "
+                  f"match rounds {share:.0%}, accepted {h[NGRAM]['acceptance_rate']:.2f} match / "
+                  f"{h[MODEL]['acceptance_rate']:.2f} model)"]
     return "\n".join(lines)
 

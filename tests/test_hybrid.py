@@ -1,0 +1,329 @@
+"""The hybrid proposer (suffix match or draft model, chosen per round): greedy output equals the
+target's, sampled output follows the target's distribution, each round is one kind, the model's
+sequence follows match rounds without re-prefilling, and the source follows each one's acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.engine import EngineConfig, make_proposer
+from cluster.runner import TorchModelRunner
+from cluster.sampling import SamplingParams
+from cluster.speculate import SpeculativeDecoder
+from drafts.draft_model import DraftModelProposer
+from drafts.hybrid import MODEL, NGRAM, HybridProposer, SourceStats, suffix_match
+from drafts.proposer import DraftProposal, Proposer, SequenceProposer
+from tests.helpers import tiny_llama
+from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
+
+MAX_TOKENS = 64
+PROMPTS = [  # (text, chat template?): code and chat, where both sources get rounds
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ("Write a short poem about the moon.", True),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: decoding one token at a time, two threads lose to one on a busy 2-core machine
+    (several times over for the tiny models)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class FakeModel(SequenceProposer):
+    """A model proposer without a model: proposes `truth` from where the sequence stands (an oracle)
+    or, without truth, token 0; records every batch it is asked for."""
+
+    name = "fake"
+
+    def __init__(self, truth: dict | None = None):
+        super().__init__()
+        self.truth = truth or {}
+        self.batches: list[dict] = []
+        self.learned: list[tuple] = []
+
+    def propose_batch(self, requests):
+        self.batches.append(dict(requests))
+        return super().propose_batch(requests)
+
+    def propose(self, session, k):
+        tokens = self.tokens(session)
+        truth = self.truth.get(session)
+        drafts = truth[len(tokens):len(tokens) + k] if truth is not None else [0] * k
+        tokens.extend(drafts)
+        return DraftProposal(drafts, None)
+
+    def learn(self, session, num_drafted, num_accepted):
+        self.learned.append((session, num_drafted, num_accepted))
+
+
+def _round(hybrid, session, truth, k=3):
+    """One verified round against `truth`; returns the round's source."""
+    before = hybrid.stats[NGRAM].rounds
+    start = len(hybrid.tokens(session))
+    drafts = hybrid.propose(session, k).token_ids
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == truth[start + accepted]:
+        accepted += 1
+    hybrid.rollback(session, start + accepted, [truth[start + accepted]])
+    hybrid.learn(session, len(drafts), accepted)
+    return NGRAM if hybrid.stats[NGRAM].rounds > before else MODEL
+
+
+# -- the real target: greedy equality with both sources --------------------------------------------
+
+def test_greedy_equals_transformers_with_both_sources(target_fp32, draft_int8, tokenizer, prompt_ids, references):
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft")))
+    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"), hybrid, tokenizer, num_speculative_tokens=3)
+    # the code prompt, the chat prompt, then the code prompt again: its first output is in the pool now
+    for i, ids in enumerate([*prompt_ids, prompt_ids[0]]):
+        before = {source: SourceStats(**vars(s)) for source, s in hybrid.stats.items()}
+        pool_rounds = hybrid.pool_rounds
+        result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        assert result.token_ids == references[tuple(ids)]
+        ngram, model = ({k: getattr(hybrid.stats[source], k) - getattr(before[source], k) for k in vars(before[source])}
+                        for source in (NGRAM, MODEL))
+        assert ngram["rounds"] + model["rounds"] == sum(result.stats.gamma_counts[1:])
+        # every round but the last was learned, and credited to its source
+        assert 0 <= result.stats.drafted - (ngram["drafted"] + model["drafted"]) <= 3
+        assert 0 <= result.stats.accepted - (ngram["accepted"] + model["accepted"]) <= 3
+        if i < 2:  # both sources drafted, and both had drafts accepted
+            assert ngram["accepted"] > 0 and model["accepted"] > 0, hybrid.report()
+        else:
+            assert hybrid.pool_rounds > pool_rounds, hybrid.report()
+    assert hybrid.num_sessions == 0 and hybrid.model.runner.num_sessions == 0
+
+
+def test_engine_builds_the_hybrid(target_fp32, draft_int8, tokenizer, monkeypatch):
+    monkeypatch.setattr("cluster.engine.quantized_copy", lambda model: draft_int8)  # made once already
+    config = EngineConfig.build(proposer="hybrid", max_ngram=4)
+    proposer = make_proposer(config, target_fp32, tokenizer)
+    assert isinstance(proposer, HybridProposer) and isinstance(proposer.model, DraftModelProposer)
+    assert isinstance(proposer, Proposer)
+    assert proposer.max_ngram == 4 and proposer.name == "hybrid"
+
+
+# -- sampling: the distribution is the target's --------------------------------------------------
+
+SAMPLE_PROMPT = [1, 4, 2, 7, 1, 4]  # the suffix [1, 4] matches: the first round is a match round
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return tiny_llama(seed=1), tiny_llama(seed=2)
+
+
+def _sample(target_model, hybrid, params, n, length):
+    decoder = SpeculativeDecoder(TorchModelRunner(target_model), hybrid, None, 3)
+    return [tuple(decoder.generate(SAMPLE_PROMPT, params.model_copy(update={"seed": i, "max_tokens": length})).token_ids)
+            for i in range(n)]
+
+
+class _MatchWithQ(HybridProposer):
+    """A broken hybrid that mixes kinds: its match rounds claim a distribution (uniform) they were
+    not drawn from."""
+
+    def propose_batch(self, requests):
+        out = super().propose_batch(requests)
+        return {s: p if p.draft_probs is not None or not p.token_ids
+                else DraftProposal(p.token_ids, torch.full((len(p), 10), 0.1)) for s, p in out.items()}
+
+
+@pytest.mark.parametrize("loop", [{}, {"pipeline_depth": 2}, {"continuous": True}],
+                         ids=["sequential", "pipelined", "continuous"])
+def test_sampling_follows_target(tiny_pair, loop):
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(target, SAMPLE_PROMPT, 3, params)
+    # the pool is on: other seeds' outputs are fair game, and the sessions draft from them (a pool match
+    # of 4 tokens is confident: it beats the session's own shorter one)
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=1, confident_match=4,
+                            history_tokens=64)
+    decoder = SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 3, **loop)
+    try:
+        samples = [tuple(decoder.generate(SAMPLE_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})).token_ids)
+                   for i in range(2000)]
+    finally:
+        if loop.get("continuous"):
+            decoder.ahead.stop()
+    report = hybrid.report()
+    assert report[NGRAM]["rounds"] > 500 and report[MODEL]["rounds"] > 500 and report["pool_rounds"] > 100, report
+    assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+    if not loop:  # the test can fail: match rounds sent with a q they were not drawn from
+        broken = _MatchWithQ(DraftModelProposer(TorchModelRunner(draft)), min_match=1, history_tokens=64)
+        assert chi_square_pvalue(_sample(target, broken, params, 2000, 3), exact) < 1e-6
+
+
+def test_a_round_is_one_kind_under_sampling(tiny_pair):
+    _, draft = tiny_pair
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=2, confident_match=None,
+                            history_tokens=0)
+    hybrid.start("s", SAMPLE_PROMPT, SamplingParams(temperature=1.0, seed=3))
+    match = hybrid.propose("s", 3)
+    assert match.token_ids == [2, 7, 1] and match.draft_probs is None
+    hybrid.rollback("s", len(SAMPLE_PROMPT), [9])  # rejected: [4, 9] matches nothing
+    model = hybrid.propose("s", 3)
+    assert len(model) == 3 and model.draft_probs.shape == (3, 10)  # q for every position
+    assert all(model.draft_probs[i, t] > 0 for i, t in enumerate(model.token_ids))
+
+
+# -- the model's sequence follows match rounds -----------------------------------------------------
+
+def test_model_follows_match_rounds_and_catches_up_in_one_forward(tiny_pair):
+    _, draft = tiny_pair
+    runner = TorchModelRunner(draft)
+    hybrid = HybridProposer(DraftModelProposer(runner), min_match=2, confident_match=None, history_tokens=0)
+    prompt = [3, 5, 8, 6, 2, 9, 3, 5]
+    hybrid.start("s", prompt, SamplingParams())
+    assert hybrid.propose("s", 3).token_ids == [8, 6, 2]  # a match round
+    assert hybrid.model.tokens("s") == hybrid.tokens("s") and runner.length("s") == len(prompt) - 1
+    hybrid.rollback("s", len(prompt) + 2, [4])  # two accepted, then a recovered token
+    hybrid.learn("s", 3, 2)
+    assert hybrid.model.tokens("s") == prompt + [8, 6, 4] == hybrid.tokens("s")
+    assert runner.length("s") == len(prompt) - 1  # the model has not computed anything for them
+    feeds = []
+    extend_batch = runner.extend_batch
+    runner.extend_batch = lambda requests, num_logits=None: feeds.append(dict(requests)) or extend_batch(requests, num_logits)
+    drafts = hybrid.propose("s", 2).token_ids  # [6, 4] matches nothing: the model drafts
+    assert feeds[0] == {"s": [5, 8, 6, 4]}  # the whole catch-up in the first forward, then one token
+    assert [len(f["s"]) for f in feeds] == [4, 1]
+    # and it drafts what a model that saw every token one by one drafts
+    fresh = DraftModelProposer(TorchModelRunner(draft))
+    fresh.start("f", prompt + [8, 6, 4], SamplingParams())
+    assert fresh.propose("f", 2).token_ids == drafts
+
+
+# -- the choice of source --------------------------------------------------------------------------
+
+def test_rejected_matches_switch_to_the_model_and_accepted_ones_switch_back():
+    # phase 1: "a b c" recurs, but what follows it is new each time (the match is always wrong)
+    a, b, c = 1, 2, 3
+    truth = [a, b, c, 10, 110]
+    for fresh in range(11, 60):
+        truth += [a, b, c, fresh, fresh + 100]
+    phase2 = len(truth)
+    truth += [20, 21, 22, 23, 24, 25] * 60  # phase 2: a repeating block (the match is always right)
+    model = FakeModel({"s": truth})  # the model is always right
+    hybrid = HybridProposer(model, min_match=2, confident_match=None, probe_every=4, history_tokens=0)
+    hybrid.start("s", truth[:8], SamplingParams())
+    sources = []
+    while len(hybrid.tokens("s")) < phase2:
+        sources.append(_round(hybrid, "s", truth))
+    assert sources[0] == NGRAM  # the prior lets the match try first ...
+    assert hybrid.alpha("s")[NGRAM][3] < 0.4 and hybrid.alpha("s")[MODEL] > 0.9
+    late = sources[len(sources) // 2:]
+    assert late.count(MODEL) > 3 * late.count(NGRAM)  # ... then the model drafts, the match only probes
+    assert hybrid.probe_rounds > 0
+    sources = [_round(hybrid, "s", truth) for _ in range(40)]
+    assert sources[-20:] == [NGRAM] * 20, sources  # the probes were accepted: back to the match
+    assert hybrid.alpha("s")[NGRAM][3] > 0.9
+    # learn went to the right source, and the model only heard about its own rounds
+    assert hybrid.stats[NGRAM].accepted > 0 and hybrid.stats[MODEL].accepted == hybrid.stats[MODEL].drafted
+    assert len(model.learned) == hybrid.stats[MODEL].rounds
+
+
+def test_a_long_match_is_used_without_history():
+    block = list(range(30, 45))
+    hybrid = HybridProposer(FakeModel(), min_match=2, confident_match=8, prior_ngram=0.01, history_tokens=0)
+    hybrid.start("long", block + [99] + block[:10], SamplingParams())
+    hybrid.start("short", [7, 3, 4, 5, 8, 3, 4], SamplingParams())
+    proposals = hybrid.propose_batch({"long": 3, "short": 3})
+    assert proposals["long"].token_ids == block[10:13]  # a 10-token match: confident
+    assert proposals["short"].token_ids == [0, 0, 0]  # a 2-token match at α 0.01: the model
+    assert hybrid.confident_rounds == 1
+
+
+def test_propose_batch_batches_the_model_sessions_only():
+    model = FakeModel()
+    hybrid = HybridProposer(model, min_match=2, history_tokens=0)
+    params = SamplingParams()
+    hybrid.start("m1", [5, 6, 7], params)
+    hybrid.start("match", [5, 6, 7, 5, 6], params)
+    hybrid.start("m2", [8, 9], params)
+    hybrid.start("idle", [8, 9, 8, 9], params)
+    out = hybrid.propose_batch({"m1": 2, "match": 3, "m2": 3, "idle": 0})
+    assert list(out) == ["m1", "match", "m2", "idle"]
+    assert model.batches == [{"m1": 2, "m2": 3}]  # one call, the model sessions only
+    assert out["match"].token_ids == [7, 5, 6] and out["m1"].token_ids == [0, 0] and len(out["idle"]) == 0
+    assert model.tokens("match") == [5, 6, 7, 5, 6, 7, 5, 6] == hybrid.tokens("match")
+
+
+def test_rounds_in_flight_behind_a_rejection_are_not_credited():
+    """Pipelined: two rounds proposed before the first is verified; the first is rejected, so the
+    second is stale (never learned); the next learn must credit the next round, not the stale one."""
+    prompt = [4, 5, 6, 4, 5]
+    model = FakeModel()
+    hybrid = HybridProposer(model, min_match=2, confident_match=None, history_tokens=0)
+    hybrid.start("s", prompt, SamplingParams())
+    assert hybrid.propose("s", 2).token_ids == [6, 4]  # round 1: a match
+    assert hybrid.propose("s", 2).token_ids == [5, 6]  # round 2 (match), in flight behind round 1
+    hybrid.rollback("s", 6, [1])  # round 1: one accepted, then a recovered token; round 2 is stale
+    hybrid.learn("s", 2, 1)
+    assert hybrid.stats[NGRAM].drafted == 2 and hybrid.stats[NGRAM].accepted == 1
+    assert hybrid.propose("s", 2).token_ids == [0, 0]  # round 3: [6, 1] matches nothing: the model
+    hybrid.learn("s", 2, 2)
+    assert hybrid.stats[MODEL].drafted == 2 and hybrid.stats[NGRAM].drafted == 2
+    assert model.learned == [("s", 2, 2)]
+
+
+def test_a_round_of_several_proposals_credits_each_its_share():
+    """Continuous drafting proposes one token at a time and a round takes several: each proposal is
+    credited with its part of the round; drafts behind the rejection were never tested."""
+    model = FakeModel({"s": [3, 1, 2, 1, 2, 1]})
+    hybrid = HybridProposer(model, min_match=2, history_tokens=0)
+    hybrid.start("s", [3, 1, 2], SamplingParams())
+    sources = [_source(hybrid, "s") for _ in range(3)]
+    assert sources == [MODEL, MODEL, NGRAM] and hybrid.tokens("s") == [3, 1, 2, 1, 2, 1]
+    hybrid.learn("s", 3, 1)  # the round took all three: the first accepted, the second rejected
+    assert model.learned == [("s", 1, 1), ("s", 1, 0)]
+    assert hybrid.alpha("s")[NGRAM][2] == 0.5  # the third was never tested: its estimate is untouched
+    assert (hybrid.stats[MODEL].drafted, hybrid.stats[MODEL].accepted, hybrid.stats[NGRAM].drafted) == (2, 1, 1)
+
+
+def _source(hybrid, session):
+    before = hybrid.stats[NGRAM].rounds
+    hybrid.propose(session, 1)
+    return NGRAM if hybrid.stats[NGRAM].rounds > before else MODEL
+
+
+def test_the_pool_skips_outputs_drawn_with_the_same_seed():
+    hybrid = HybridProposer(FakeModel(), min_match=2, history_tokens=100)
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    hybrid.start("a", [1, 2], seeded)
+    hybrid.rollback("a", 2, [3, 4, 5, 6, 7])  # its committed output
+    hybrid.release("a")
+    for name, params, expected in [("same seed", seeded, [0, 0]), ("other seed", seeded.model_copy(update={"seed": 6}), [6, 7]),
+                                   ("greedy", SamplingParams(), [6, 7])]:
+        hybrid.start(name, [9, 4, 5], params)
+        assert hybrid.propose(name, 2).token_ids == expected, name
+        hybrid.release(name)
+    assert hybrid.pool_rounds == 2
+
+
+def test_suffix_match_prefers_the_longest_then_the_earliest():
+    tokens = [1, 2, 3, 9, 8, 2, 3, 7, 0, 8, 2, 3]
+    assert suffix_match(tokens, tokens, 2, max_ngram=2, max_match=2) == ([9, 8], 2)  # the earliest of equals
+    assert suffix_match(tokens, tokens, 2, max_ngram=2) == ([7, 0], 3)  # "8 2 3" reaches further back
+    assert suffix_match([5, 2, 3, 7, 4, 2, 3, 8, 0, 3], [5, 2, 3, 7, 4, 2, 3, 8, 0, 3], 3, max_ngram=3) == ([7, 4, 2], 1)
+    assert suffix_match([1, 2, 3], [1, 2, 3], 2) == ([], 0)
+    assert suffix_match([7, 1, 2], [1, 2, 5, 6], 3) == ([5, 6], 2)  # another sequence: a token must follow
+    assert suffix_match([7, 5, 6], [1, 2, 5, 6], 3) == ([], 0)
+
+
+def test_validate_replays_each_source_round_by_round():
+    """`drafts validate`'s per-source figures: the hybrid's own choices along a known continuation."""
+    from drafts.validate import Agreement, replay_sources
+
+    prompt = [1, 2, 3, 4, 1, 2]
+    record = Agreement(tokens=[3, 4, 9, 8, 7, 6], agree=[False, False, False, True, True, False])
+    # round 1: "1 2" matches, drafts [3, 4, 1]: two accepted, 9 recovered; round 2: nothing matches
+    # "4 9": the model drafts [8, 7] (k = 2: one token left for the round's own), both accepted, then 6
+    hybrid = replay_sources(prompt, record, gamma=3, cost_ratio=0.5)
+    assert hybrid == {"tokens": 6, "rounds": 2, "time": 3.0, "ngram_rounds": 1, "ngram_drafted": 3, "ngram_accepted": 2,
+                      "model_rounds": 1, "model_drafted": 2, "model_accepted": 2}
+    alone = replay_sources(prompt, record, gamma=3, cost_ratio=0.5, hybrid=False)  # round 2 is a plain step
+    assert (alone["rounds"], alone["time"], alone["model_rounds"]) == (4, 4.0, 0)

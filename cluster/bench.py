@@ -21,6 +21,7 @@ from cluster.speculate import SpeculationStats, SpeculativeDecoder
 from cluster.workloads import workload
 from drafts.cost_model import effective_alpha, predicted_speedup
 from drafts.draft_model import DraftModelProposer, quantized_copy
+from drafts.hybrid import HybridProposer
 from drafts.ngram import NGramProposer
 from drafts.small_draft import draft_path, load_draft
 
@@ -100,6 +101,8 @@ def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: in
         "draft_int8": lambda: SpeculativeDecoder(target, DraftModelProposer(TorchModelRunner(draft_model, "draft")),
                                                  tokenizer, gamma),
         "ngram": lambda: SpeculativeDecoder(target, NGramProposer(), tokenizer, gamma),
+        "hybrid": lambda: SpeculativeDecoder(
+            target, HybridProposer(DraftModelProposer(TorchModelRunner(draft_model, "draft"))), tokenizer, gamma),
     }
     for name in drafts:
         small = load_draft(name, target_model)

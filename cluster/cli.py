@@ -118,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF model dir")
-    p.add_argument("--proposer", default="draft", help="draft | ngram | hybrid (a suffix match when long enough, else the draft) | none")
+    p.add_argument("--proposer", default="hybrid",
+                   help="hybrid (default: a suffix match when long enough, else the draft; BENCHMARKS.md) | draft | ngram | none")
     p.add_argument("--draft", default="int8", help="'int8' (quantized copy of the target) or a local HF model dir")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16")

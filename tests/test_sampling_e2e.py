@@ -99,7 +99,7 @@ def test_pipelined_loop_sampling_follows_target(tiny_pair, gamma):
     decoder = SpeculativeDecoder(TorchModelRunner(target), DraftModelProposer(TorchModelRunner(draft)), None, gamma,
                                  pipeline_depth=2, overlap=True)
     samples = [tuple(decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": 4})).token_ids)
-               for i in range(3000)]
+               for i in range(2000)]
     m = decoder.metrics
     assert m.bubble_fill_hits > 0 and m.bubble_fill_misses > 0 and m.stale_rounds > 0  # every path of the chain ran
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
@@ -117,7 +117,7 @@ def test_continuous_drafting_sampling_follows_target(tiny_pair, depth):
                                  pipeline_depth=depth, continuous=True, fill_min_redraft=100.0)
     try:
         results = [decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3}))
-                   for i in range(2000)]
+                   for i in range(1500)]
         samples = [tuple(r.token_ids) for r in results]
         drafted = sum(r.stats.drafted for r in results)
         accepted = sum(r.stats.accepted for r in results)

@@ -5,7 +5,7 @@ a change of the shared machine's load hits every mode alike).
     python deployments/bench_interleaved.py PROMPTS MAX_TOKENS OUT.json "default;min_match=2"
 
 (the last argument: hybrid variants, `;`-separated `key=value,...` overrides of HybridProposer)."""
-import json, sys, time
+import json, sys
 import torch
 torch.set_num_threads(1)
 from cluster import models

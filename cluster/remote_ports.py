@@ -89,7 +89,8 @@ class RayDrafterPort:
             self._lost(what, e)
             return None
 
-    def start(self, token_ids: list[int]) -> None:
+    def _start(self, call: Callable[[], ray.ObjectRef]) -> None:
+        """Acquire a drafter for the session, then open it there with `call()` (waited for)."""
         self.started = True
         if not self.alive:
             return
@@ -98,8 +99,10 @@ class RayDrafterPort:
         except Exception as e:  # no drafter replica could take the session
             self._lost(f"acquire ({e})", e)
             return
-        self._get(self._submit("start", lambda: self.actor.start.remote(self.session, token_ids, self.params)),
-                  "start")
+        self._get(self._submit("start", call), "start")
+
+    def start(self, token_ids: list[int]) -> None:
+        self._start(lambda: self.actor.start.remote(self.session, token_ids, self.params))
 
     def propose(self, k: int, sync: list[SyncOp], tree: bool = False) -> ray.ObjectRef | None:
         return self._submit("propose", lambda: self.actor.propose.remote(self.session, k, sync, tree))
@@ -123,16 +126,7 @@ class RayAheadPort(RayDrafterPort):
         self.draft_token_s = 0.0
 
     def start(self, token_ids: list[int]) -> None:
-        self.started = True
-        if not self.alive:
-            return
-        try:
-            self.actor, self._release_lease = self._acquire()
-        except Exception as e:  # no drafter replica could take the session
-            self._lost(f"acquire ({e})", e)
-            return
-        self._get(self._submit("start", lambda: self.actor.ahead_start.remote(
-            self.session, token_ids, self.params, self.lookahead)), "start")
+        self._start(lambda: self.actor.ahead_start.remote(self.session, token_ids, self.params, self.lookahead))
 
     def take(self, max_n: int, wait: bool) -> DraftReply | None:
         timeout = 60.0 if wait else 0.0

@@ -17,15 +17,7 @@ from cluster.rejection import rejection_sample
 from cluster.sampling import RandomStream, SamplingParams, probabilities, sample
 from cluster.tree import SiblingScheme, TokenTree, sibling_draft_probs, tree_rejection_sample
 
-GREEDY = SamplingParams(max_tokens=8)
-V = 8
-
-
-def one_hot_logits(ids: list[int], vocab: int = V) -> torch.Tensor:
-    logits = torch.zeros(len(ids), vocab)  # [n, vocab]
-    for i, t in enumerate(ids):
-        logits[i, t] = 5.0
-    return logits
+from tests.test_rejection import GREEDY, V, one_hot_logits  # the rejection sampler's own fixtures
 
 
 def logits_of(probs: dict[int, float], vocab: int = V) -> torch.Tensor:

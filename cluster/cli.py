@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--feature-weight", type=float, help="feature: weight of the feature regression (default 1)")
     dist.add_argument("--feature-noise", type=float, help="feature: std of the noise on input features (default 0.02)")
     dist.add_argument("--eval-every", type=int, help="feature: steps between evaluations and checkpoints (default 500)")
+    dist.add_argument("--code-dir", action="append", default=[],
+                      help="feature: more Python sources for the corpus (repeatable; e.g. a site-packages folder)")
     dist.add_argument("--cache-dir")
     val = drafts_sub.add_parser("validate", help="acceptance by position, cost ratio, predicted speedups; a gate")
     val.add_argument("--target", default="default")
@@ -197,12 +199,15 @@ def _drafts(args) -> int:
                 raise ConfigError("--kind feature takes neither --self-speculative nor --vocab-size 0")
             config = FeatureDistillConfig(**shared, **given("epochs", "feature_weight", "feature_noise", "eval_every"),
                                           max_minutes=args.max_minutes, vocab_size=args.vocab_size, seed=args.seed,
-                                          seq_len=args.seq_len, batch_size=args.batch_size)
+                                          seq_len=args.seq_len, batch_size=args.batch_size,
+                                          code_dirs=tuple(args.code_dir))
             torch.set_num_threads(config.threads)
             target = models.load_causal_lm(target_path, "bfloat16", "cpu")
             print(json.dumps(distill_feature(target, tokenizer, args.out, config, held_out), indent=1))
             return 0
         feature_only = given("epochs", "feature_weight", "feature_noise", "eval_every")
+        if args.code_dir:
+            feature_only["code_dir"] = args.code_dir
         if feature_only:
             raise ConfigError(f"--{next(iter(feature_only)).replace('_', '-')} needs --kind feature")
         from drafts.distill import DistillConfig, distill

@@ -76,13 +76,39 @@ def round_from_pb(request, vocab_size: int) -> Round:
 
 
 def result_to_pb(r: RoundResult, active_sessions: int = 0):
-    return pb.VerifyResult(session=r.session, round=r.round, epoch=r.epoch, num_accepted=r.num_accepted,
-                           output_token_ids=r.output_token_ids, recovered=r.recovered, bonus=r.bonus,
-                           stale=r.stale, verify_start=r.verify_start, verify_end=r.verify_end,
-                           active_sessions=active_sessions)
+    msg = pb.VerifyResult(session=r.session, round=r.round, epoch=r.epoch, num_accepted=r.num_accepted,
+                          output_token_ids=r.output_token_ids, recovered=r.recovered, bonus=r.bonus,
+                          stale=r.stale, verify_start=r.verify_start, verify_end=r.verify_end,
+                          active_sessions=active_sessions)
+    if r.features is not None:
+        msg.features.CopyFrom(features_to_pb(r.feature_start, r.features))
+    return msg
 
 
 def result_from_pb(msg) -> tuple[RoundResult, int]:
     """(the round's result, sessions active on the verifier replica when it answered)."""
-    return RoundResult(msg.session, msg.round, msg.epoch, msg.num_accepted, list(msg.output_token_ids),
-                       msg.recovered, msg.bonus, msg.stale, msg.verify_start, msg.verify_end), msg.active_sessions
+    result = RoundResult(msg.session, msg.round, msg.epoch, msg.num_accepted, list(msg.output_token_ids),
+                         msg.recovered, msg.bonus, msg.stale, msg.verify_start, msg.verify_end)
+    if msg.HasField("features"):
+        result.feature_start, result.features = features_from_pb(msg.features)
+    return result, msg.active_sessions
+
+
+# -- the target's features (for a feature-fed draft) --------------------------------------------
+
+
+def features_to_pb(start: int, rows: torch.Tensor):
+    """rows  # [m, H] -> pb.Features (bf16 bytes)."""
+    rows = rows.detach().to("cpu", torch.bfloat16).contiguous()
+    return pb.Features(start=start, rows=rows.shape[0], dim=rows.shape[1],
+                       bf16=rows.view(torch.int16).numpy().tobytes())
+
+
+def features_from_pb(msg) -> tuple[int, torch.Tensor]:
+    """pb.Features -> (start, rows  # [m, H] bf16)."""
+    if len(msg.bf16) != 2 * msg.rows * msg.dim:
+        raise InvalidRequestError(f"features: {len(msg.bf16)} bytes for {msg.rows} x {msg.dim} bf16")
+    if not msg.rows:
+        return msg.start, torch.zeros(0, msg.dim, dtype=torch.bfloat16)
+    rows = torch.frombuffer(bytearray(msg.bf16), dtype=torch.int16).view(torch.bfloat16)
+    return msg.start, rows.view(msg.rows, msg.dim).clone()

@@ -49,17 +49,18 @@ class Drafter:
             torch.set_num_threads(config.threads)
         path = models.resolve_model_path(config.target, config.cache_dir)
         tokenizer = models.load_tokenizer(path)
+        from drafts.feature_proposer import FeatureProposer, is_feature_draft
         from drafts.small_draft import is_tandem_draft
 
         target = None
         model_draft = config.proposer in ("draft", "hybrid")
         if model_draft and config.draft == "int8":
             target = models.load_causal_lm(path, "float32", "cpu")  # only to copy and quantise
-        elif model_draft and is_tandem_draft(config.draft):
+        elif model_draft and (is_tandem_draft(config.draft) or is_feature_draft(config.draft)):
             target = models.load_causal_lm(path, config.dtype, config.device)  # lends embeddings (and layers)
         self.proposer = make_proposer(config, target, tokenizer)
         model = getattr(self.proposer, "model", self.proposer)  # the hybrid's model proposer
-        if isinstance(model, DraftModelProposer):
+        if isinstance(model, (DraftModelProposer, FeatureProposer)):
             model.max_support = max_support  # q rows cross the wire compactly
         del target
         self.name = config.proposer
@@ -182,7 +183,9 @@ class Drafter:
         return {"draft_s": self.draft_s + (ahead.busy_s if ahead else 0.0), "idle_s": self.idle_s,
                 "batches": self.batches, "backlog": backlog, "sessions": self.proposer.num_sessions,
                 "ahead_steps": ahead.steps if ahead else 0, "ahead_cancels": ahead.cancels if ahead else 0,
-                "ahead_stale_tokens": ahead.stale_tokens if ahead else 0}
+                "ahead_stale_tokens": ahead.stale_tokens if ahead else 0,
+                "proposals_without_features": getattr(getattr(self.proposer, "model", self.proposer),
+                                                      "proposals_without_features", 0)}
 
     def pid(self) -> int:
         return os.getpid()

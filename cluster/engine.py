@@ -14,6 +14,8 @@ from cluster.runner import TorchModelRunner
 from cluster.speculate import SpeculativeDecoder
 from cluster.transport import NetworkConfig
 from drafts.draft_model import DraftModelProposer, quantized_copy
+from drafts.feature_draft import load_feature_draft
+from drafts.feature_proposer import FeatureProposer, feature_draft_dir, is_feature_draft
 from drafts.hybrid import HybridProposer
 from drafts.small_draft import is_tandem_draft, load_draft
 from drafts.ngram import NGramProposer
@@ -31,7 +33,7 @@ class EngineConfig(BaseModel):
 
     target: str = Field("default", description="Target model: 'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory.")
     proposer: Literal["draft", "ngram", "hybrid", "none"] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model), 'hybrid' (a suffix match when one is long enough, else the draft model, chosen per round from each one's acceptance) or 'none' (plain target decoding).")
-    draft: str = Field(INT8_DRAFT, description="Draft model for proposer 'draft': 'int8' (int8 dynamic-quantized copy of the target), a tandem draft directory (`tandem drafts distill`) or a local model directory with the target's tokenizer.")
+    draft: str = Field(INT8_DRAFT, description="Draft model for proposers 'draft' and 'hybrid': 'int8' (int8 dynamic-quantized copy of the target), 'feature' (the feature-fed draft shipped for the default target, drafts/trained/feature-smollm2-135m: it reads the target's last hidden state, which the verifier sends), a tandem draft directory (`tandem drafts distill`) or a local model directory with the target's tokenizer.")
     num_speculative_tokens: int = Field(3, ge=0, le=32, description="Tokens drafted per round (γ); 0 is plain target decoding.")
     dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Target (and model draft) dtype; the int8 draft computes in float32.")
     device: str | None = Field(None, description="torch device; CUDA when visible, else CPU.")
@@ -50,11 +52,24 @@ class EngineConfig(BaseModel):
             raise ConfigError(validation_message(e)) from None
 
 
+def needs_features(config: EngineConfig) -> bool:
+    """Whether the configured proposer is fed the target's features (a feature-fed draft model)."""
+    return (config.proposer in ("draft", "hybrid") and config.num_speculative_tokens > 0
+            and is_feature_draft(config.draft))
+
+
 def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_tokenizer) -> Proposer | None:
     if config.proposer == "none" or config.num_speculative_tokens == 0:
         return None
     if config.proposer == "ngram":
         return NGramProposer(max_ngram=config.max_ngram)
+    if is_feature_draft(config.draft):  # EAGLE-style: reads the target's features, sent by the verifier
+        if config.tree_width > 1:
+            raise ConfigError("a feature-fed draft drafts chains: tree_width must be 1")
+        model = FeatureProposer(load_feature_draft(target_model, feature_draft_dir(config.draft)))
+        if config.proposer == "hybrid":  # its cost ratio, measured on this machine (tandem_draft.json)
+            return HybridProposer(model, max_ngram=config.max_ngram, cost_ratio=0.1)
+        return model
     if config.draft == INT8_DRAFT:
         draft_model = quantized_copy(target_model)
     elif is_tandem_draft(config.draft):  # a distilled or self-speculative draft made from this target

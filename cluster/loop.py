@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.errors import TandemError
-from cluster.messages import DraftReply, SyncOp
+from cluster.messages import DraftReply, FeatureLog, SyncOp
 from cluster.ports import DrafterPort, VerifierPort
 from cluster.sampling import SamplingParams
 from cluster.stats import SpeculationStats, ema
@@ -130,6 +130,7 @@ class SessionState:
     policy: SessionPolicy
     max_gamma: int
     sync: list[SyncOp] = field(default_factory=list)  # owed to the drafter, sent with the next propose
+    features: FeatureLog | None = None  # a feature-fed draft: the target's features of committed positions
 
     def take_sync(self) -> list[SyncOp]:
         ops, self.sync = self.sync, []
@@ -156,10 +157,29 @@ class SessionLoop:
         self.state, self.drafter, self.stops, self.config = state, drafter, stops, config
         self.estimates, self.metrics = estimates, metrics
         self.on_tokens, self.cancelled, self.timeline = on_tokens, cancelled, timeline
+        if self.needs_features:
+            if config.continuous:
+                raise TandemError("continuous drafting does not feed a feature-fed draft: use pipelined or "
+                                  "sequential rounds (continuous: false)")
+            if state.features is None:
+                state.features = FeatureLog()
 
     @property
     def drafting(self) -> bool:
         return self.drafter is not None and self.drafter.alive
+
+    @property
+    def needs_features(self) -> bool:
+        """Whether the drafter reads the target's features (the verifier is then asked for them)."""
+        return self.drafter is not None and getattr(self.drafter, "needs_features", False)
+
+    def add_features(self, start: int, rows) -> None:
+        """The target's features of committed positions from `start` (a verifier's prefill): kept, and
+        owed to the drafter."""
+        if rows is None or self.state.features is None:
+            return
+        self.state.features.add(start, rows)
+        self.state.sync.append(SyncOp(features=rows, feature_start=start))
 
     def _gamma(self, remaining: int, bonus: bool, verifier_sessions: int) -> int:
         limit = min(self.state.max_gamma, remaining - (1 if bonus else 0))
@@ -243,8 +263,8 @@ class SessionLoop:
             if k > 0 and not self.drafter.started:
                 if live:
                     k = 0
-                else:  # the drafter joins late, from the committed tokens
-                    s.sync = []
+                else:  # the drafter joins late, from the committed tokens (and their features)
+                    s.sync = [op for op in [s.features.sync() if s.features is not None else None] if op]
                     self.drafter.start(list(s.committed))
                     k = k if self.drafting else 0
             if (k > 0 and not live and not sequential and config.fill_bubbles and stats.rounds > 0
@@ -333,6 +353,9 @@ class SessionLoop:
                 # the accepted branch left the drafter's own chain: it re-reads the branch
                 op = SyncOp(len(s.committed) - len(new_tokens), new_tokens, entry.num_drafts, result.num_accepted)
                 self.metrics.add(tree_branch_hits=1)
+        if result.features is not None and s.features is not None:
+            s.features.add(result.feature_start, result.features)
+            op = op.with_features(result.feature_start, result.features)
         if result.recovered:
             p.epoch += 1
             p.optimistic = 0

@@ -26,14 +26,20 @@ class SyncOp:
     token_ids: list[int] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0
+    # a feature-fed draft: the target's features of committed positions feature_start ..  # [m, H]
+    features: torch.Tensor | None = None
+    feature_start: int = 0
 
     @property
     def rollback(self) -> bool:
         return self.length is not None
 
     def without_rollback(self) -> "SyncOp":
-        """The same feedback, no rollback (the drafter's sequence already continues correctly)."""
-        return SyncOp(num_drafted=self.num_drafted, num_accepted=self.num_accepted)
+        """The same feedback and features, no rollback (the drafter's sequence already continues correctly)."""
+        return replace(self, length=None, token_ids=[])
+
+    def with_features(self, start: int, features: torch.Tensor | None) -> "SyncOp":
+        return self if features is None else replace(self, features=features, feature_start=start)
 
 
 @dataclass(frozen=True)
@@ -99,10 +105,39 @@ class DraftReply:
         return q
 
 
+class FeatureLog:
+    """The target's features of a session's committed positions, kept by the session loop so a drafter
+    that joins late (or a replayed session's) gets them all at once."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None  # [capacity, H]
+        self.length = 0
+
+    def add(self, start: int, rows: torch.Tensor) -> None:
+        if start > self.length:
+            raise ValueError(f"features from position {start}, only {self.length} known")
+        end = start + len(rows)
+        if self.rows is None or end > len(self.rows):
+            grown = torch.zeros(max(end, 256, 0 if self.rows is None else 2 * len(self.rows)), rows.shape[-1],
+                                dtype=rows.dtype)
+            if self.rows is not None:
+                grown[: self.length] = self.rows[: self.length]
+            self.rows = grown
+        self.rows[start:end] = rows
+        self.length = end
+
+    def sync(self) -> SyncOp | None:
+        """All of them, as one op (None when there are none)."""
+        return None if not self.length else SyncOp(features=self.rows[: self.length].clone(), feature_start=0)
+
+
 def apply_sync(proposer, session, ops: Sequence[SyncOp]) -> None:
-    """Apply the ops owed to a proposer session, in order (rollback, then learn, each where present)."""
+    """Apply the ops owed to a proposer session, in order (rollback, then features, then learn, each
+    where present)."""
     for op in ops:
         if op.rollback:
             proposer.rollback(session, op.length, op.token_ids)
+        if op.features is not None and hasattr(proposer, "add_features"):
+            proposer.add_features(session, op.feature_start, op.features)
         if op.num_drafted:
             proposer.learn(session, op.num_drafted, op.num_accepted)

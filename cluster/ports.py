@@ -59,8 +59,9 @@ class LocalVerifierPort:
         self.engine, self.session, self.engine_thread = engine, session, engine_thread
         self._results: queue.SimpleQueue = queue.SimpleQueue()
 
-    def open(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.engine.open(self.session, token_ids, params)
+    def open(self, token_ids: Sequence[int], params: SamplingParams, features: bool = False):
+        """Prefill; with `features`, returns the target's features of all but the last token."""
+        return self.engine.open(self.session, token_ids, params, features=features)[1]
 
     def send(self, round: int, epoch: int, bonus: bool, draft: DraftReply | None) -> None:
         token_ids = draft.token_ids if draft is not None else []
@@ -86,6 +87,7 @@ class LocalDrafterPort:
 
     def __init__(self, proposer: Proposer, session, params: SamplingParams, executor: Executor | None = None):
         self.proposer, self.session, self.params, self.executor = proposer, session, params, executor
+        self.needs_features = getattr(proposer, "needs_features", False)
         self.alive = True
         self.started = False
         self._pending: Future | None = None

@@ -33,8 +33,9 @@ DRAFTER_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableE
 class GrpcVerifierPort:
     """One session's open bidirectional Verify stream on a leased replica."""
 
-    def __init__(self, lease: VerifierLease, session: str):
+    def __init__(self, lease: VerifierLease, session: str, open_features=None):
         self.lease, self.replica, self.session = lease, lease.replica, session
+        self.open_features = open_features  # the target's features of the prefilled tokens (if asked)
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = self.replica.stub.Verify(iter(self._requests.get, None))
 
@@ -56,9 +57,10 @@ class RayDrafterPort:
     """One session on a drafter actor; `acquire()` gives (actor, release callback) when the session starts."""
 
     def __init__(self, acquire: Callable[[], tuple], session: str, params: SamplingParams, metrics: LoopMetrics,
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, needs_features: bool = False):
         self._acquire, self.session, self.params, self.metrics = acquire, session, params, metrics
         self.timeout_s = timeout_s
+        self.needs_features = needs_features  # a feature-fed draft: the verifier sends the target's features
         self.alive = True
         self.started = False
         self.actor = None

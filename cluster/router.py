@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from cluster.codec import params_to_pb
-from cluster.errors import InvalidRequestError, TandemError
+from cluster.codec import features_from_pb, params_to_pb
+from cluster.errors import ConfigError, InvalidRequestError, TandemError
 from cluster.loop import CostEstimates, LoopConfig, LoopMetrics, RoundTiming, SessionLoop, SessionState
 from cluster.remote_ports import GrpcVerifierPort, RayAheadPort, RayDrafterPort
 from cluster.sampling import SamplingParams
@@ -44,14 +44,18 @@ class Router:
                  max_context: int = 8192, max_replays: int = 3, balance_pipeline: bool = True,
                  policy: SpeculationPolicyConfig | None = None, fill_bubbles: bool = True,
                  pipeline_max_sessions: int = 1, continuous: bool = False, lookahead: int = 8,
-                 fill_min_redraft: float = 0.5):
-        """`policy` None: γ is not adaptive (drafts the maximum every round)."""
+                 fill_min_redraft: float = 0.5, draft_features: bool = False):
+        """`policy` None: γ is not adaptive (drafts the maximum every round). `draft_features`: the drafter's
+        proposer is feature-fed (sessions ask their verifier for the target's features)."""
         if pipeline_depth < 1:
             raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
         self.pool = StaticVerifierPool(pool) if isinstance(pool, (list, tuple)) else pool
         if drafter is not None and not hasattr(drafter, "acquire"):
             drafter = StaticDrafter(drafter)
         self.drafter = drafter
+        self.draft_features = draft_features
+        if draft_features and continuous:
+            raise ConfigError("continuous drafting does not feed a feature-fed draft: set continuous: false")
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
@@ -77,13 +81,16 @@ class Router:
         """The one way both runtimes (`TandemCluster`, the Serve router deployment) build their router:
         `config` a `LoopConfig` (or either runtime's config), `engine` the `EngineConfig`, `model_config`
         the target's transformers config."""
+        from cluster.engine import needs_features
+
         eos = model_config.eos_token_id
         return cls(pool, drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
                    engine.num_speculative_tokens, config.pipeline_depth,
                    max_context=model_config.max_position_embeddings, balance_pipeline=config.balance_pipeline,
                    policy=config.speculation, fill_bubbles=config.fill_bubbles,
                    pipeline_max_sessions=config.pipeline_max_sessions, continuous=config.continuous,
-                   lookahead=config.lookahead, fill_min_redraft=config.fill_min_redraft)
+                   lookahead=config.lookahead, fill_min_redraft=config.fill_min_redraft,
+                   draft_features=needs_features(engine))
 
     @property
     def replicas(self) -> list[VerifierReplicaHandle]:
@@ -102,7 +109,7 @@ class Router:
     # -- placement -----------------------------------------------------------------------------
 
     def _open(self, session: str, committed: list[int], params: SamplingParams, attempts: int = 1,
-              deadline_s: float = 300.0) -> GrpcVerifierPort:
+              deadline_s: float = 300.0, features: bool = False) -> GrpcVerifierPort:
         """Open the session on a replica the pool picks; with `attempts` > 1, replicas that fail to
         answer are marked failed and the next one is tried (waiting for restarts until the deadline)."""
         deadline = time.time() + deadline_s
@@ -117,9 +124,10 @@ class Router:
                 continue
             replica = lease.replica
             try:
-                replica.stub.Open(pb.OpenRequest(session=session, token_ids=committed, params=params_to_pb(params)),
-                                  timeout=120)
-                return GrpcVerifierPort(lease, session)
+                reply = replica.stub.Open(pb.OpenRequest(session=session, token_ids=committed,
+                                                         params=params_to_pb(params), features=features), timeout=120)
+                open_features = features_from_pb(reply.features)[1] if reply.HasField("features") else None
+                return GrpcVerifierPort(lease, session, open_features)
             except grpc.RpcError as e:
                 lease.release()
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -170,7 +178,8 @@ class Router:
         drafter = None
         if self.drafter is not None and max_gamma > 0:
             acquire = lambda: self.drafter.acquire(session)  # noqa: E731
-            drafter = RayDrafterPort(acquire, session, params, self.metrics) if not self.loop_config.continuous \
+            drafter = RayDrafterPort(acquire, session, params, self.metrics, needs_features=self.draft_features) \
+                if not self.loop_config.continuous \
                 else RayAheadPort(acquire, session, params, self.metrics, self.loop_config.lookahead)
         loop = SessionLoop(state, drafter, StopChecker(self.tokenizer, self.eos_token_ids, params), self.loop_config,
                            self.estimates, self.metrics, on_tokens, cancelled, timeline)
@@ -180,7 +189,9 @@ class Router:
         # else the drafter joins when the policy first asks for drafts (never, while verifiers are saturated)
         stream = None
         try:
-            stream = self._open(session, state.committed, params, attempts=1 + self.max_replays)
+            stream = self._open(session, state.committed, params, attempts=1 + self.max_replays,
+                                features=loop.needs_features)
+            loop.add_features(0, stream.open_features)
             if drafter_started is not None:
                 drafter_started.result()
             stats.prefill_s = time.perf_counter() - t_start
@@ -204,7 +215,9 @@ class Router:
                     failed.mark_failed()
                     loop.drop_in_flight_drafts()
                     stream = None
-                    stream = self._open(f"{session}r{replays}", state.committed, params, attempts=1 + self.max_replays)
+                    stream = self._open(f"{session}r{replays}", state.committed, params, attempts=1 + self.max_replays,
+                                        features=loop.needs_features)
+                    loop.add_features(0, stream.open_features)
         finally:
             if drafter_started is not None:
                 try:

@@ -106,6 +106,10 @@ class TorchModelRunner:
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self._sessions: dict[SessionId, _Session] = {}
         self._ids = itertools.count()
+        # sessions whose last hidden state (post-norm: what the head reads) each forward keeps, for a
+        # feature-fed draft; `hidden[session]` holds the last forward's rows  # [new positions, H] bf16
+        self.capture: set[SessionId] = set()
+        self.hidden: dict[SessionId, torch.Tensor] = {}
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -141,6 +145,28 @@ class TorchModelRunner:
 
     def release(self, session: SessionId) -> None:
         self._sessions.pop(session, None)
+        self.capture.discard(session)
+        self.hidden.pop(session, None)
+
+    @property
+    def supports_features(self) -> bool:
+        """Whether `capture` works: a decoder and a plain linear head (no logit soft-capping)."""
+        config = self.model.config.get_text_config(decoder=True)
+        return (hasattr(self.model, "get_decoder") and hasattr(self.model, "lm_head")
+                and not getattr(config, "final_logit_softcapping", None))
+
+    def _forward(self, sessions: Sequence[SessionId], rows: Sequence[int], logits_to_keep, **kwargs):
+        """The model's forward; logits  # [B, kept, vocab_size]. For sessions in `capture`, the decoder's
+        last hidden state of their first `rows[i]` positions goes to `hidden` (the head then reads the
+        same hidden state: the logits are the model's own)."""
+        if not self.capture.intersection(sessions):
+            return self.model(logits_to_keep=logits_to_keep, **kwargs).logits
+        hidden = self.model.get_decoder()(**kwargs).last_hidden_state  # [B, n, H]
+        for i, s in enumerate(sessions):
+            if s in self.capture:
+                self.hidden[s] = hidden[i, : rows[i]].to("cpu", torch.bfloat16)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return self.model.lm_head(hidden[:, keep, :])
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -164,9 +190,8 @@ class TorchModelRunner:
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
         start = state.length
         position_ids = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
-        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=state.cache,
-                         use_cache=True, logits_to_keep=max(num_logits, 1))
-        logits = out.logits[0].float()  # [max(num_logits, 1), vocab_size]
+        logits = self._forward([session], [n], max(num_logits, 1), input_ids=input_ids, position_ids=position_ids,
+                               past_key_values=state.cache, use_cache=True)[0].float()  # [max(num_logits, 1), vocab_size]
         return logits[logits.shape[0] - num_logits :]
 
     @torch.inference_mode()
@@ -213,10 +238,9 @@ class TorchModelRunner:
 
         lo = min(c - k for c, k in zip(counts, keep))
         hi = max(counts)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=cache, use_cache=True,
-                         logits_to_keep=torch.arange(lo, hi, device=dev))
-        logits = out.logits.float()  # [B, hi - lo, vocab_size]
+        logits = self._forward(sessions, counts, torch.arange(lo, hi, device=dev), input_ids=input_ids,
+                               position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache,
+                               use_cache=True).float()  # [B, hi - lo, vocab_size]
 
         results: dict[SessionId, torch.Tensor] = {}
         for i, (s, state) in enumerate(zip(sessions, states)):
@@ -259,10 +283,10 @@ class TorchModelRunner:
         allowed[num_prefix:, start:base] = True
         allowed[num_prefix:, base:] = tree.attention_mask()
         mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
-        out = self.model(input_ids=input_ids, position_ids=positions[None].to(self.device),
-                         attention_mask=mask[None, None].to(self.device),  # [1, 1, P + n, total]
-                         past_key_values=state.cache, use_cache=True)
-        return out.logits[0].float()
+        return self._forward([session], [num_prefix + n], 0, input_ids=input_ids,
+                             position_ids=positions[None].to(self.device),
+                             attention_mask=mask[None, None].to(self.device),  # [1, 1, P + n, total]
+                             past_key_values=state.cache, use_cache=True)[0].float()
 
     @torch.inference_mode()
     def keep_tree_path(self, session: SessionId, num_prefix_cached: int, node_path: Sequence[int],

@@ -66,6 +66,8 @@ class SpeculativeDecoder:
             raise InvalidRequestError(f"{num_speculative_tokens=} must be >= 0")
         if pipeline_depth < 1:
             raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
+        if continuous and getattr(proposer, "needs_features", False):
+            raise InvalidRequestError("continuous drafting does not feed a feature-fed draft")
         self.target = target
         self.engine = VerifierEngine(target)
         self.proposer = proposer
@@ -108,7 +110,8 @@ class SpeculativeDecoder:
                              self.num_speculative_tokens)
         loop = SessionLoop(state, drafter, StopChecker(self.tokenizer, self.eos_token_ids, params), self.loop_config,
                            self.estimates, self.metrics)
-        verifier.open(prompt_ids, params)  # the last prompt token is fed with the first round's drafts
+        # the last prompt token is fed with the first round's drafts
+        loop.add_features(0, verifier.open(prompt_ids, params, features=loop.needs_features))
         try:
             if drafter is not None:
                 drafter.start(prompt_ids)

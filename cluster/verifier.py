@@ -56,6 +56,10 @@ class RoundResult:
     stale: bool = False
     verify_start: float = 0.0
     verify_end: float = 0.0
+    # the target's last hidden state of the committed positions this round fed (feature-fed drafts
+    # only): rows for positions feature_start ..  # [m, H] bf16
+    features: torch.Tensor | None = None
+    feature_start: int = 0
 
 
 Callback = Callable[[RoundResult | Exception], None]
@@ -69,6 +73,7 @@ class _Session:
     next_logits: torch.Tensor | None = None  # [vocab_size]: the next position's, when uncached is empty
     epoch: int = 0
     pending: deque = field(default_factory=deque)  # (Round, Callback), in arrival order
+    features: bool = False  # send the target's hidden states of committed positions (a feature-fed draft)
 
 
 class VerifierEngine:
@@ -85,26 +90,40 @@ class VerifierEngine:
 
     # -- sessions (called from gRPC threads) -----------------------------------------------------
 
-    def open(self, session: str, token_ids: Sequence[int], params: SamplingParams) -> int:
-        """Prefill the committed tokens; returns their count."""
+    def open(self, session: str, token_ids: Sequence[int], params: SamplingParams, features: bool = False
+             ) -> tuple[int, torch.Tensor | None]:
+        """Prefill the committed tokens; returns their count and, with `features`, the target's last hidden
+        state of all but the last  # [n - 1, H] bf16 (every round's result then carries those of the
+        positions it commits)."""
         if not token_ids:
             raise InvalidRequestError("open: no tokens")
         if any(not 0 <= t < self.runner.vocab_size for t in token_ids):
             raise InvalidRequestError(f"open: token ids must lie in [0, {self.runner.vocab_size})")
         if len(token_ids) > self.runner.max_context:
             raise InvalidRequestError(f"open: {len(token_ids)} tokens exceed the context of {self.runner.max_context}")
+        if features and not getattr(self.runner, "supports_features", False):
+            raise InvalidRequestError(f"open: this target runner ({type(self.runner).__name__}) cannot send features "
+                                      "for a feature-fed draft")
+        prompt_features = None
         with self._lock:
             if session in self._sessions:
                 raise InvalidRequestError(f"session {session!r} is already open")
             self.runner.add_session(session)
+            if features:
+                self.runner.capture.add(session)
             try:
                 if len(token_ids) > 1:
                     self.runner.extend(session, list(token_ids[:-1]), num_logits=0)
+                if features:
+                    prompt_features = self.runner.hidden.pop(session, None)
+                    if prompt_features is None:
+                        prompt_features = self._no_features()
             except Exception:
                 self.runner.release(session)
                 raise
-            self._sessions[session] = _Session(params.with_seed(), len(token_ids), [int(token_ids[-1])])
-        return len(token_ids)
+            self._sessions[session] = _Session(params.with_seed(), len(token_ids), [int(token_ids[-1])],
+                                               features=features)
+        return len(token_ids), prompt_features
 
     def release(self, session: str) -> bool:
         with self._lock:
@@ -214,15 +233,24 @@ class VerifierEngine:
             callback(result)
         return len(batch)
 
+    def _no_features(self) -> torch.Tensor:
+        return torch.zeros(0, self.runner.model.config.get_text_config().hidden_size, dtype=torch.bfloat16)
+
     def _commit(self, sid: str, state: _Session, rnd: Round, rows: torch.Tensor | None,
                 start: float, end: float) -> RoundResult:
         k = len(rnd.token_ids)
+        fed_start, num_fed_committed = state.num_tokens - len(state.uncached), len(state.uncached)
         head = [] if state.uncached else [state.next_logits[None]]
         dists = torch.cat(head + ([rows] if rows is not None else []))  # [k + 1, vocab_size]
         result = rejection_sample(rnd.token_ids, dists if rnd.bonus else dists[:k], rnd.draft_probs,
                                   state.params, start_position=state.num_tokens)
         out = RoundResult(sid, rnd.round, rnd.epoch, result.num_accepted, result.output_token_ids,
                           result.recovered, result.bonus, verify_start=start, verify_end=end)
+        if state.features:
+            hidden = self.runner.hidden.pop(sid, None)
+            m = num_fed_committed + result.num_accepted  # fed tokens now committed
+            out.features = hidden[:m] if hidden is not None else self._no_features()
+            out.feature_start = fed_start
         if result.recovered:
             self.runner.truncate(sid, state.num_tokens + result.num_accepted)
             state.uncached, state.next_logits = [result.output_token_ids[-1]], None
@@ -239,12 +267,17 @@ class VerifierEngine:
         """A token tree's round: `rows` are extend_tree's logits (the uncached token, then the nodes)."""
         tree = rnd.tree()
         num_prefix = len(state.uncached)
+        fed_start = state.num_tokens - num_prefix
         head = [] if num_prefix else [state.next_logits[None]]
         dists = torch.cat(head + [rows[max(0, num_prefix - 1):]])  # [n + 1, vocab_size]: root, then each node
         result = tree_rejection_sample(tree, dists, state.params, start_position=state.num_tokens)
         self.runner.keep_tree_path(sid, state.num_tokens, result.node_path)  # uncached tokens now cached
         out = RoundResult(sid, rnd.round, rnd.epoch, result.num_accepted, result.output_token_ids,
                           result.recovered, result.bonus, verify_start=start, verify_end=end)
+        if state.features:
+            hidden = self.runner.hidden.pop(sid)  # [num_prefix + n, H]: the prefix, then the tree's nodes
+            path = torch.tensor([num_prefix + i for i in result.node_path], dtype=torch.long)
+            out.features, out.feature_start = torch.cat([hidden[:num_prefix], hidden[path]]), fed_start
         state.uncached, state.next_logits = [result.output_token_ids[-1]], None
         if result.recovered:
             state.epoch += 1

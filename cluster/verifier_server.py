@@ -15,7 +15,7 @@ from concurrent import futures
 
 import grpc
 
-from cluster.codec import params_from_pb, result_to_pb, round_from_pb
+from cluster.codec import features_to_pb, params_from_pb, result_to_pb, round_from_pb
 from cluster.errors import InvalidRequestError
 from cluster.transport import LOOPBACK, NetworkConfig, SecretCheck, add_port, cluster_secret
 from cluster.verifier import VerifierEngine
@@ -38,10 +38,14 @@ class VerifierServicer(rpc.VerifierServicer):
         if self._broken():
             context.abort(grpc.StatusCode.UNAVAILABLE, self._broken())
         try:
-            length = self.engine.open(request.session, list(request.token_ids), params_from_pb(request.params))
+            length, features = self.engine.open(request.session, list(request.token_ids),
+                                                params_from_pb(request.params), features=request.features)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.OpenReply(session=request.session, length=length)
+        reply = pb.OpenReply(session=request.session, length=length)
+        if features is not None:
+            reply.features.CopyFrom(features_to_pb(0, features))
+        return reply
 
     def Release(self, request, context):
         return pb.ReleaseReply(released=self.engine.release(request.session))

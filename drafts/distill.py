@@ -76,6 +76,27 @@ def stdlib_texts(max_files: int | None = None) -> tuple[list[str], list[str]]:
     return code, prose
 
 
+def package_code(dirs: list[str], max_chars: int, held_out: set[str], seed: int = 0) -> list[str]:
+    """Python sources under `dirs` (e.g. a site-packages folder), in a seeded random file order, up to
+    `max_chars` characters; files with tests in their path or holding a held-out prompt are skipped."""
+    files = sorted({p for d in dirs for p in Path(d).expanduser().rglob("*.py")
+                    if not any(part in ("test", "tests", "testing") for part in p.parts)})
+    random.Random(seed).shuffle(files)
+    code, total = [], 0
+    for path in files:
+        if total >= max_chars:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(text) < 200 or any(prompt and prompt in text for prompt in held_out):
+            continue
+        code.append(text)
+        total += len(text)
+    return code
+
+
 def chat_corpus(target, tokenizer, n: int, max_new_tokens: int = 96, seed: int = 0) -> list[list[int]]:
     """Chat transcripts (template + the target's own greedy answer) as token ids."""
     if n <= 0:

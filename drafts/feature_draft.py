@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from drafts.distill import build_corpus, chat_corpus, frequent_vocab, stdlib_texts
+from drafts.distill import build_corpus, chat_corpus, frequent_vocab, package_code, stdlib_texts
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class FeatureDistillConfig:
     eval_chat: int = 8  # held-out chat prompts in each evaluation
     eval_new_tokens: int = 64  # target greedy continuation evaluated after each prompt
     cache_dir: str = "~/.cache/tandem/feature-draft"
+    code_dirs: tuple[str, ...] = ()  # more Python sources beyond the standard library (e.g. site-packages)
 
 
 def _windows(target, tokenizer, config, cache: Path, held_out, texts) -> tuple[torch.Tensor, dict]:
@@ -105,20 +106,23 @@ def _windows(target, tokenizer, config, cache: Path, held_out, texts) -> tuple[t
         log.info("%d chat answers from the target in %.0fs", len(chats), time.time() - t0)
     chats = json.loads(chat_file.read_text())
     code, prose = texts if texts is not None else stdlib_texts()
+    if config.code_dirs:  # ~3.5 characters a token; twice the budget, the windows are sampled from the pool
+        code = code + package_code(list(config.code_dirs), 7 * config.max_tokens, held_out, config.seed)
     T = config.seq_len
-    streams = {"stdlib_code": build_corpus(tokenizer, code, [], held_out),
+    streams = {"code": build_corpus(tokenizer, code, [], held_out),
                "pydoc_prose": build_corpus(tokenizer, prose, [], held_out),
                "chat_from_target": build_corpus(tokenizer, [], chats, held_out)}
     tiles = {k: torch.tensor(s[: len(s) // T * T], dtype=torch.long).view(-1, T) for k, s in streams.items()}
     g = torch.Generator().manual_seed(config.seed)
     chat = tiles["chat_from_target"][: config.max_tokens // T]
-    pool = torch.cat([tiles["stdlib_code"], tiles["pydoc_prose"]])  # [M, T]
-    is_code = torch.arange(len(pool)) < len(tiles["stdlib_code"])
+    pool = torch.cat([tiles["code"], tiles["pydoc_prose"]])  # [M, T]
+    is_code = torch.arange(len(pool)) < len(tiles["code"])
     pick = torch.randperm(len(pool), generator=g)[: max(0, config.max_tokens // T - len(chat))]
     windows = torch.cat([chat, pool[pick]])  # [N, T]
     n_code = int(is_code[pick].sum())
     data = {"seq_len": T, "windows": len(windows), "tokens": windows.numel(), "chat_transcripts": len(chats),
-            "tokens_by_source": {"stdlib_code": n_code * T, "pydoc_prose": (len(pick) - n_code) * T,
+            "code_dirs": list(config.code_dirs),
+            "tokens_by_source": {"stdlib_code" if not config.code_dirs else "code": n_code * T, "pydoc_prose": (len(pick) - n_code) * T,
                                  "chat_from_target": len(chat) * T},
             "held_out": "HumanEval prompts and cluster.workloads.CHAT_PROMPTS (refused in any window)"}
     return windows, data

@@ -298,6 +298,15 @@ class HybridProposer:
 
     # -- feedback ------------------------------------------------------------------------------------
 
+    @property
+    def needs_features(self) -> bool:
+        """A feature-fed model reads the target's features (the verifier sends them)."""
+        return getattr(self.model, "needs_features", False)
+
+    def add_features(self, session: SessionId, start: int, rows) -> None:
+        if self.needs_features:
+            self.model.add_features(session, start, rows)
+
     def rollback(self, session: SessionId, length: int, token_ids: Sequence[int] = ()) -> None:
         state = self._get(session)
         tokens = state.tokens

@@ -110,6 +110,22 @@ def test_continuous_drafting_greedy_equality(ray_local, prompt_ids, references):
         cluster.shutdown()
 
 
+def test_feature_fed_hybrid_greedy_equality(ray_local, prompt_ids, references):
+    """The served default with the feature-fed draft as the hybrid's model: the verifier replica sends the
+    target's features over gRPC with each result, the router hands them to the drafter actor."""
+    cluster = start(ray_local, pipeline_depth=1, engine=dict(proposer="hybrid", draft="feature",
+                                                             num_speculative_tokens=3))
+    try:
+        results = [cluster.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)) for ids in prompt_ids[:4]]
+        for ids, result in zip(prompt_ids, results):
+            assert result.token_ids == references[tuple(ids)], f"diverged on {ids[:6]}..."
+        assert sum(r.stats.accepted for r in results) > 0
+        stats = ray.get(cluster.drafter.stats.remote())
+        assert stats["proposals_without_features"] == 0, "the drafter got the target's features every round"
+    finally:
+        cluster.shutdown()
+
+
 def test_ngram_pipelined_greedy_equality(ray_local, prompt_ids, references):
     cluster = start(ray_local, engine=dict(proposer="ngram"), pipeline_depth=2)
     try:

@@ -1,0 +1,180 @@
+"""The feature-fed draft (`drafts.feature_draft.FeatureDraft`, EAGLE-style) as a proposer.
+
+The draft reads the target's last hidden state: entry t of its one-layer KV cache is computed from
+(f_t, x_{t+1}) and outputs f̂_{t+1}, whose head row predicts x_{t+2}. The verifier sends the target's
+features of committed positions (`add_features`, through the loop's sync ops); beyond them the draft
+feeds its own predicted features, as EAGLE does. Per session it keeps the tokens (committed plus its
+own drafts), a feature per position (the target's for the first `real`, predicted up to `known`) and
+its KV cache. A real feature that replaces a predicted one invalidates the cache entries computed
+from the prediction (they are recomputed at the next `propose`). Without the features it needs (a
+session whose verifier did not send them yet) it proposes nothing: a plain decoding step, never a
+wrong output.
+
+q is the draft's distribution over its reduced vocabulary, processed like the target's (temperature,
+top-k, top-p) and written over the full vocabulary, so verification is lossless with any features.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cluster.sampling import RandomStream, SamplingParams, probabilities, sample
+from drafts.proposer import DraftProposal, SequenceProposer, SessionId
+
+FEATURE_DRAFT = "feature"  # engine.draft shorthand: the feature-fed draft shipped in drafts/trained
+SHIPPED = Path(__file__).parent / "trained" / "feature-smollm2-135m"
+
+
+def is_feature_draft(path: str | Path) -> bool:
+    if str(path) == FEATURE_DRAFT:
+        return True
+    meta = Path(path).expanduser() / "tandem_draft.json"
+    try:
+        return meta.is_file() and json.loads(meta.read_text()).get("kind") == "feature"
+    except (OSError, ValueError):
+        return False
+
+
+def feature_draft_dir(path: str | Path) -> Path:
+    return SHIPPED if str(path) == FEATURE_DRAFT else Path(path).expanduser()
+
+
+@dataclass
+class _State:
+    feats: torch.Tensor  # [capacity, H]: a feature per position, the target's for [0, real), predicted to known
+    cache: object  # the draft layer's KV cache (transformers DynamicCache): entry t from (f_t, x_{t+1})
+    real: int = 0
+    known: int = 0
+    stats: dict = field(default_factory=lambda: {"no_features": 0})
+
+
+class FeatureProposer(SequenceProposer):
+    name = "feature"
+    needs_features = True  # the verifier sends the target's last hidden state of committed positions
+    tree_width = 1
+
+    def __init__(self, draft, max_support: int | None = None):
+        """`draft`: a loaded `FeatureDraft` (`drafts.feature_draft.load_feature_draft`). `max_support`: sample
+        from the draft's `max_support` most likely tokens (renormalised), so q crosses the wire compactly."""
+        super().__init__()
+        self.draft = draft.eval()
+        self.hidden_size = int(draft.embed.shape[1])
+        self.vocab_size = int(draft.embed.shape[0])  # the target's vocabulary
+        self.dtype = draft.fc.weight.dtype
+        self.max_support = max_support
+        self.max_predicted = 16  # positions drafted from predicted features before the target's are needed
+        self._state: dict[SessionId, _State] = {}
+        self.proposals_without_features = 0  # rounds it could not draft for lack of the target's features
+
+    def start(self, session: SessionId, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        from transformers import DynamicCache
+
+        super().start(session, prompt_ids, params)
+        self._state[session] = _State(torch.zeros(max(64, 2 * len(prompt_ids)), self.hidden_size, dtype=self.dtype),
+                                      DynamicCache())
+
+    def release(self, session: SessionId) -> None:
+        super().release(session)
+        self._state.pop(session, None)
+
+    # -- features ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def add_features(self, session: SessionId, start: int, rows: torch.Tensor) -> None:
+        """The target's features of positions start .. start + len(rows) - 1  # rows [m, H]. Positions
+        after them lose their predicted features (they were drafted from the predictions)."""
+        st = self._state.get(session)
+        if st is None or len(rows) == 0:
+            return
+        if rows.shape[-1] != self.hidden_size:
+            raise ValueError(f"features of width {rows.shape[-1]}, the draft reads {self.hidden_size}")
+        if start > st.real:  # a gap (features lost on the way): drafting waits for a full resend
+            return
+        end = start + len(rows)
+        self._room(st, end)
+        st.feats[start:end] = rows.to(self.dtype)
+        st.real = st.known = end
+        self._crop(st, start)  # entries from `start` on were computed from predicted features
+
+    @staticmethod
+    def _crop(st: _State, entries: int) -> None:
+        if st.cache.get_seq_length() > entries:
+            st.cache.crop(entries - st.cache.get_seq_length())
+
+    def _room(self, st: _State, n: int) -> None:
+        if n > len(st.feats):
+            grown = torch.zeros(max(n, 2 * len(st.feats)), self.hidden_size, dtype=self.dtype)
+            grown[: len(st.feats)] = st.feats
+            st.feats = grown
+
+    def rollback(self, session: SessionId, length: int, token_ids: Sequence[int] = ()) -> None:
+        super().rollback(session, length, token_ids)
+        st = self._state[session]
+        st.real, st.known = min(st.real, length), min(st.known, length)  # f_p depends on x_0 .. x_p
+        self._crop(st, max(length - 1, 0))  # entry t read x_{t+1}
+
+    # -- drafting ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _advance(self, st: _State, tokens: list[int], upto: int) -> torch.Tensor:
+        """Compute the cache entries up to `upto` - 1 and return the last one's output f̂_upto  # [H]:
+        the entries whose features are known in one forward, then one at a time (each output is the next
+        position's predicted feature)."""
+        if st.cache.get_seq_length() >= upto:
+            self._crop(st, upto - 1)  # recompute the last entry for its output
+        out = None
+        while st.cache.get_seq_length() < upto:
+            t = st.cache.get_seq_length()
+            end = min(upto, st.known) if t < st.known else t + 1
+            feats = st.feats[t:end][None]  # [1, n, H]
+            ids = torch.tensor([tokens[t + 1:end + 1]], dtype=torch.long)  # [1, n]
+            pos = torch.arange(t, end)[None]
+            hidden, _ = self.draft(feats, ids, past=st.cache, pos=pos)  # [1, n, H]
+            out = hidden[0, -1]
+            if end >= st.known:  # the output is the first position without a feature
+                self._room(st, end + 1)
+                st.feats[end] = out
+                st.known = end + 1
+        return out
+
+    def propose(self, session: SessionId, k: int) -> DraftProposal:
+        return self.propose_batch({session: k})[session]
+
+    def propose_batch(self, requests: dict[SessionId, int], trees: Collection[SessionId] = ()
+                      ) -> dict[SessionId, DraftProposal]:
+        """Each session in turn (the draft is one layer: batching would save little)."""
+        return {s: self._propose(s, k) for s, k in requests.items()}
+
+    @torch.inference_mode()
+    def _propose(self, session: SessionId, k: int) -> DraftProposal:
+        tokens, params, st = self.tokens(session), self._params[session], self._state[session]
+        n = len(tokens)
+        if k <= 0 or n < 2 or st.known == 0 or n - 1 - st.known > self.max_predicted:
+            if k > 0:
+                self.proposals_without_features += 1
+            return DraftProposal([])
+        out = self._advance(st, tokens, n - 1)  # f̂_{n-1}: predicts x_n
+        drafts, rows = [], []
+        for step in range(k):
+            logits = self.draft.logits(out[None])[0].float()  # [K]
+            if params.greedy:
+                token = int(self.draft.vocab[int(logits.argmax())])
+            else:
+                full = torch.full((self.vocab_size,), float("-inf"))
+                full[self.draft.vocab] = logits.float()
+                q = probabilities(full[None], params)[0]  # [vocab_size]
+                if self.max_support and self.max_support < int((q > 0).sum()):
+                    top = torch.topk(q, self.max_support)
+                    q = torch.zeros_like(q).scatter_(0, top.indices, top.values / top.values.sum())
+                token = sample(q, params.seed or 0, len(tokens), RandomStream.DRAFT)
+                rows.append(q)
+            tokens.append(token)
+            drafts.append(token)
+            if step + 1 < k:
+                out = self._advance(st, tokens, len(tokens) - 1)
+        return DraftProposal(drafts, torch.stack(rows) if rows else None)

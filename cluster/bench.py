@@ -21,6 +21,8 @@ from cluster.speculate import SpeculationStats, SpeculativeDecoder
 from cluster.workloads import workload
 from drafts.cost_model import effective_alpha, predicted_speedup
 from drafts.draft_model import DraftModelProposer, quantized_copy
+from drafts.feature_draft import load_feature_draft
+from drafts.feature_proposer import FEATURE_DRAFT, FeatureProposer, feature_draft_dir, is_feature_draft
 from drafts.hybrid import HybridProposer
 from drafts.ngram import NGramProposer
 from drafts.small_draft import draft_path, load_draft
@@ -105,6 +107,14 @@ def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: in
             target, HybridProposer(DraftModelProposer(TorchModelRunner(draft_model, "draft"))), tokenizer, gamma),
     }
     for name in drafts:
+        if is_feature_draft(name):  # reads the target's features: alone and as the hybrid's model
+            fdraft = load_feature_draft(target_model, feature_draft_dir(name))
+            label = "feature" if name == FEATURE_DRAFT else f"feature_{feature_draft_dir(name).name}"
+            spec_modes[f"draft_{label}"] = (
+                lambda fdraft=fdraft: SpeculativeDecoder(target, FeatureProposer(fdraft), tokenizer, gamma))
+            spec_modes[f"hybrid_{label}"] = (lambda fdraft=fdraft: SpeculativeDecoder(
+                target, HybridProposer(FeatureProposer(fdraft), cost_ratio=0.1), tokenizer, gamma))
+            continue
         small = load_draft(name, target_model)
         spec_modes[f"draft_{draft_path(name).name}"] = (
             lambda small=small: SpeculativeDecoder(target, DraftModelProposer(TorchModelRunner(small, "draft")),

@@ -50,18 +50,19 @@ def _concurrent(cluster: TandemCluster, prompts: list[list[int]], sessions: int,
 def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8, max_tokens: int = 128,
                           gamma: int = 4, dtype: str = "bfloat16", proposer: str = "draft",
                           concurrency: tuple[int, ...] = (1, 4, 16), concurrency_max_tokens: int = 64,
-                          modes: tuple[str, ...] = ()) -> dict:
-    """`modes`: the optional modes to run besides the four the report is built on (default: all)."""
+                          modes: tuple[str, ...] = (), draft: str = "int8") -> dict:
+    """`modes`: the optional modes to run besides the four the report is built on (default: all); `draft`:
+    the model draft of proposers draft and hybrid ('int8', 'feature' or a draft directory)."""
     init_local_ray()
     report: dict = {"config": {"workload": workload_name, "prompts": num_prompts, "max_tokens": max_tokens,
-                               "num_speculative_tokens": gamma, "dtype": dtype, "proposer": proposer,
+                               "num_speculative_tokens": gamma, "dtype": dtype, "proposer": proposer, "draft": draft,
                                "threads_per_actor": 1}, "modes": {}}
     texts, chat = workload(workload_name, num_prompts)
     for mode, (speculate, depth, fill, extra) in MODES.items():
         if modes and mode not in modes and mode not in ("target_only", "sequential", "pipelined", "pipelined_no_fill"):
             continue
         engine = EngineConfig(proposer=proposer if speculate else "none", num_speculative_tokens=gamma if speculate else 0,
-                              dtype=dtype, threads=1, **{k: v for k, v in extra.items() if k in ENGINE_FIELDS})
+                              dtype=dtype, threads=1, draft=draft, **{k: v for k, v in extra.items() if k in ENGINE_FIELDS})
         cluster = TandemCluster(ClusterConfig(engine=engine, pipeline_depth=depth, fill_bubbles=fill,
                                               speculation=SpeculationPolicyConfig(adaptive=False),  # γ as asked
                                               **{k: v for k, v in extra.items() if k not in ENGINE_FIELDS}))

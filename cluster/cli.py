@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache-dir")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers reference modes")
     bench.add_argument("--draft", action="append", default=[],
-                       help="also bench this tandem draft directory (repeatable)")
+                       help="also bench this tandem draft directory, or 'feature' (the shipped feature-fed draft, "
+                            "alone and in the hybrid) (repeatable); with --distributed: the model draft of "
+                            "--proposer draft|hybrid (default int8)")
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench.add_argument("--distributed", action="store_true",
                        help="target-only vs sequential vs pipelined through Ray + gRPC (workload humaneval unless set)")
@@ -94,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--feature-weight", type=float, help="feature: weight of the feature regression (default 1)")
     dist.add_argument("--feature-noise", type=float, help="feature: std of the noise on input features (default 0.02)")
     dist.add_argument("--eval-every", type=int, help="feature: steps between evaluations and checkpoints (default 500)")
+    dist.add_argument("--unroll", type=int, help="feature: passes per batch, each later one feeding the draft's own "
+                                                 "predicted features at half the positions (default 1)")
+    dist.add_argument("--init-from", help="feature: start from this exported feature draft (trained on the same data)")
     dist.add_argument("--code-dir", action="append", default=[],
                       help="feature: more Python sources for the corpus (repeatable; e.g. a site-packages folder)")
     dist.add_argument("--cache-dir")
@@ -109,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("--json", metavar="FILE")
     val.add_argument("--plot", metavar="FILE", help="PNG: acceptance by position, predicted speedup by γ")
     val.add_argument("--min-acceptance", type=float, help="exit 1 when α is below this")
+    val.add_argument("--record", action="store_true",
+                     help="write the report's summary into the draft directory's tandem_draft.json (under "
+                          "validate.<workload>), beside its provenance")
     val.add_argument("--cache-dir")
 
     srv = sub.add_parser("serve", help="serve the Ray Serve application on a local Ray (127.0.0.1) until Ctrl-C")
@@ -197,7 +206,8 @@ def _drafts(args) -> int:
 
             if args.self_speculative or args.vocab_size <= 0:
                 raise ConfigError("--kind feature takes neither --self-speculative nor --vocab-size 0")
-            config = FeatureDistillConfig(**shared, **given("epochs", "feature_weight", "feature_noise", "eval_every"),
+            config = FeatureDistillConfig(**shared, **given("epochs", "feature_weight", "feature_noise", "eval_every",
+                                                            "unroll", "init_from"),
                                           max_minutes=args.max_minutes, vocab_size=args.vocab_size, seed=args.seed,
                                           seq_len=args.seq_len, batch_size=args.batch_size,
                                           code_dirs=tuple(args.code_dir))
@@ -205,7 +215,7 @@ def _drafts(args) -> int:
             target = models.load_causal_lm(target_path, "bfloat16", "cpu")
             print(json.dumps(distill_feature(target, tokenizer, args.out, config, held_out), indent=1))
             return 0
-        feature_only = given("epochs", "feature_weight", "feature_noise", "eval_every")
+        feature_only = given("epochs", "feature_weight", "feature_noise", "eval_every", "unroll", "init_from")
         if args.code_dir:
             feature_only["code_dir"] = args.code_dir
         if feature_only:
@@ -238,7 +248,8 @@ def _drafts(args) -> int:
         chat = False
     target = models.load_causal_lm(target_path, args.dtype, "cpu")
     engine = EngineConfig.build(target=str(target_path), draft=args.draft, dtype=args.dtype, cache_dir=args.cache_dir)
-    draft = make_proposer(engine, target, tokenizer).runner.model
+    proposer = make_proposer(engine, target, tokenizer)
+    draft = proposer if getattr(proposer, "needs_features", False) else proposer.runner.model
     prompts = [encode_prompt(tokenizer, t, chat) for t in texts]
     report = v.validate(target, draft, prompts, args.max_tokens, args.max_gamma)
     report.update(target=str(target_path), draft=args.draft, workload=args.workload, dtype=args.dtype,
@@ -250,10 +261,35 @@ def _drafts(args) -> int:
         write_json(report, args.json)
     if args.plot:
         v.plot(report, args.plot)
+    if args.record:
+        _record_validation(args, report)
     if args.min_acceptance is not None and report["alpha"] < args.min_acceptance:
         print(f"tandem: α = {report['alpha']:.3f} is below --min-acceptance {args.min_acceptance}", file=sys.stderr)
         return 1
     return 0
+
+
+def _record_validation(args, report: dict) -> None:
+    import shlex
+
+    from cluster.errors import ConfigError
+    from drafts.feature_proposer import feature_draft_dir, is_feature_draft
+
+    folder = feature_draft_dir(args.draft) if is_feature_draft(args.draft) else Path(args.draft).expanduser()
+    meta_file = folder / "tandem_draft.json"
+    if not meta_file.is_file():
+        raise ConfigError(f"--record needs a tandem draft directory, not {args.draft!r}")
+    meta = json.loads(meta_file.read_text())
+    hybrid = report["sources"]["hybrid"]
+    meta.setdefault("validate", {})[args.workload] = {
+        "command": shlex.join(["tandem", *sys.argv[1:]]), "prompts": report["prompts"],
+        "max_tokens": report["max_tokens"], "dtype": args.dtype, "threads": args.threads,
+        "alpha": round(report["alpha"], 4), "cost_ratio": round(report["cost_ratio"], 4),
+        "acceptance_by_position": [round(a, 4) for a in report["acceptance_by_position"]],
+        "recommended_gamma": report["recommended_gamma"],
+        "predicted_sequential_speedup": round(report["best_predicted_sequential_speedup"], 3),
+        "hybrid_predicted_sequential_speedup": round(hybrid["best_predicted_sequential_speedup"], 3)}
+    meta_file.write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def _serve(args) -> int:
@@ -311,7 +347,8 @@ def _bench(args) -> int:
         report = run_distributed_bench("humaneval" if args.workload == "all" else args.workload, args.prompts,
                                        args.max_tokens, args.num_speculative_tokens, args.dtype, args.proposer,
                                        tuple(int(n) for n in args.concurrency.split(",") if n),
-                                       modes=tuple(m for m in args.modes.split(",") if m))
+                                       modes=tuple(m for m in args.modes.split(",") if m),
+                                       draft=args.draft[0] if args.draft else "int8")
         print(format_distributed(report))
         if args.json:
             write_json(report, args.json)

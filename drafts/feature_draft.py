@@ -93,6 +93,9 @@ class FeatureDistillConfig:
     eval_new_tokens: int = 64  # target greedy continuation evaluated after each prompt
     cache_dir: str = "~/.cache/tandem/feature-draft"
     code_dirs: tuple[str, ...] = ()  # more Python sources beyond the standard library (e.g. site-packages)
+    unroll: int = 1  # passes per batch: pass k feeds, at a random `unroll_fraction` of positions, the draft's
+    unroll_fraction: float = 0.5  # own prediction of the input feature from pass k-1 (drafting from its own)
+    init_from: str = ""  # an exported feature draft (same data, so the same vocabulary) to start from
 
 
 def _windows(target, tokenizer, config, cache: Path, held_out, texts) -> tuple[torch.Tensor, dict]:
@@ -253,6 +256,11 @@ def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, he
     vocab = torch.tensor(frequent_vocab(windows.flatten().tolist(), config.vocab_size, [tokenizer.eos_token_id]))
     sets = _eval_sets(target, tokenizer, config, out)
     draft = FeatureDraft(target, vocab).float().train()
+    if config.init_from:
+        start = load_feature_draft(target, Path(config.init_from).expanduser(), torch.float32)
+        if not torch.equal(start.vocab, draft.vocab):
+            raise ValueError(f"{config.init_from} was trained on other data (another vocabulary)")
+        draft.load_state_dict(start.state_dict())
     params = [p for p in draft.parameters() if p.requires_grad]
     B, per_epoch = config.batch_size, len(windows) // config.batch_size
     tokens_per_step = B * config.seq_len
@@ -263,12 +271,22 @@ def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, he
         idx = order[i * B:(i + 1) * B]
         ids, f = windows[idx], feats[idx].float()  # [B, T], [B, T, H]
         noise = torch.randn(f[:, :-1].shape, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + step))
+        gen = torch.Generator().manual_seed(config.seed * 7_000_003 + step)
+        inputs = f[:, :-1] + config.feature_noise * noise  # [B, T-1, H]: f_t
         with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 weights, bf16 matmuls: ~3x faster here
-            fh, _ = draft(f[:, :-1] + config.feature_noise * noise, ids[:, 1:])  # [B, T-1, H]: f̂_{t+1}
-            target_logits, draft_logits = draft.logits(f[:, 1:]), draft.logits(fh)  # [B, T-1, K]
-        p = torch.softmax(target_logits.float(), -1)  # the target's distribution, renormalised on the head
-        log_q = torch.log_softmax(draft_logits.float(), -1)
-        reg, ce = F.smooth_l1_loss(fh.float(), f[:, 1:]), -(p * log_q).sum(-1).mean()
+            p = torch.softmax(draft.logits(f[:, 1:]).float(), -1)  # the target's distribution, on the head
+        reg = ce = 0.0
+        for k in range(config.unroll):
+            if k:  # the draft's prediction of f_t (pass k-1's output at t-1) replaces f_t at some positions
+                own = torch.cat([inputs[:, :1], fh[:, :-1]], 1)
+                pick = torch.rand(inputs.shape[:2], generator=gen)[..., None] < config.unroll_fraction
+                inputs = torch.where(pick, own.float(), inputs)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                fh, _ = draft(inputs, ids[:, 1:])  # [B, T-1, H]: f̂_{t+1}
+                draft_logits = draft.logits(fh)  # [B, T-1, K]
+            log_q = torch.log_softmax(draft_logits.float(), -1)
+            reg = reg + F.smooth_l1_loss(fh.float(), f[:, 1:]) / config.unroll
+            ce = ce + -(p * log_q).sum(-1).mean() / config.unroll
         return config.feature_weight * reg + ce, reg, ce
 
     ckpt = out / CHECKPOINT

@@ -31,6 +31,18 @@ from drafts.proposer import DraftProposal, SequenceProposer
 class Agreement:
     tokens: list[int]  # the target's continuation
     agree: list[bool]  # draft greedy == target greedy at each continuation position
+    # a draft whose later drafts differ from its first ones (a feature-fed draft reads its own predicted
+    # features): per position, how many of a round's drafts starting there are right (up to max γ)
+    runs: list[int] | None = None
+
+    def run(self, pos: int, k: int) -> int:
+        """Drafts accepted of a round of k starting at continuation position `pos`."""
+        if self.runs is not None:
+            return min(self.runs[pos], k)
+        run = 0
+        while run < k and pos + run < len(self.agree) and self.agree[pos + run]:
+            run += 1
+        return run
 
 
 def agreement(target, draft, prompt_ids: list[int], max_tokens: int) -> Agreement:
@@ -53,17 +65,17 @@ def agreement(target, draft, prompt_ids: list[int], max_tokens: int) -> Agreemen
     return Agreement(tokens, agree)
 
 
-def replay_rounds(agree: list[bool], gamma: int, max_tokens: int | None = None) -> tuple[list[int], list[int], int]:
+def replay_rounds(agree: list[bool] | Agreement, gamma: int, max_tokens: int | None = None
+                  ) -> tuple[list[int], list[int], int]:
     """(drafted per position, accepted per position, rounds) of the sequential loop with γ drafts per
     round over a continuation of len(agree) tokens (the loop's k = min(γ, remaining − 1))."""
-    n = len(agree) if max_tokens is None else min(max_tokens, len(agree))
+    record = agree if isinstance(agree, Agreement) else Agreement([], list(agree))
+    n = len(record.agree) if max_tokens is None else min(max_tokens, len(record.agree))
     drafted, accepted = [0] * gamma, [0] * gamma
     pos = rounds = 0
     while pos < n:
         k = min(gamma, n - pos - 1)
-        run = 0
-        while run < k and agree[pos + run]:
-            run += 1
+        run = record.run(pos, k)
         for i in range(k):
             drafted[i] += 1
             accepted[i] += int(i < run)
@@ -99,11 +111,9 @@ class _ReplayDraft(SequenceProposer):
     def propose(self, session, k: int) -> DraftProposal:
         tokens = self.tokens(session)
         drafts, i = [], len(tokens) - self.prompt_len
-        while self.record is not None and len(drafts) < k and i < len(self.record.agree):
-            drafts.append(self.record.tokens[i] if self.record.agree[i] else -1)
-            if drafts[-1] == -1:
-                break
-            i += 1
+        if self.record is not None and i < len(self.record.agree) and k > 0:
+            run = self.record.run(i, k)
+            drafts = self.record.tokens[i:i + run] + ([-1] if run < k else [])
         tokens.extend(drafts)
         return DraftProposal(drafts, None)
 
@@ -179,20 +189,69 @@ def source_report(prompts: list[list[int]], records: list[Agreement], cost_ratio
     return report
 
 
+@torch.inference_mode()
+def feature_agreement(target, proposer, prompt_ids: list[int], max_tokens: int, max_gamma: int) -> Agreement:
+    """A feature-fed draft (`FeatureProposer`) along the target's greedy continuation, as the loop runs it:
+    at each position, given the committed tokens and the target's features of all but the last, it
+    drafts `max_gamma` tokens (the later ones from its own predicted features); `runs` counts the right
+    ones from the start."""
+    out = target.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=max_tokens)
+    sequence = out[0].tolist()
+    tokens = sequence[len(prompt_ids):]
+    feats = target.model(input_ids=out).last_hidden_state[0]  # [L, H]: what the verifier sends
+    proposer.start("v", prompt_ids, SamplingParams(max_tokens=max_tokens))
+    proposer.add_features("v", 0, feats[: len(prompt_ids) - 1])
+    runs = []
+    for i in range(len(tokens)):
+        n = len(prompt_ids) + i  # committed: sequence[:n]; features of positions < n - 1
+        proposer.rollback("v", n - 1 if i else n, sequence[n - 1:n] if i else [])
+        if i:
+            proposer.add_features("v", n - 2, feats[n - 2:n - 1])
+        drafts = proposer.propose("v", max_gamma).token_ids
+        run = 0
+        while run < len(drafts) and n + run < len(sequence) and drafts[run] == sequence[n + run]:
+            run += 1
+        runs.append(run)
+    proposer.release("v")
+    return Agreement(tokens, [r > 0 for r in runs], runs)
+
+
+def time_feature_step(target, proposer, prompt_ids: list[int], steps: int = 24) -> float:
+    """Seconds per draft token of a feature-fed draft, drafting 4 at a time after the prompt (median)."""
+    with torch.inference_mode():
+        feats = target.model(input_ids=torch.tensor([prompt_ids])).last_hidden_state[0]
+    proposer.start("t", prompt_ids, SamplingParams(max_tokens=64))
+    proposer.add_features("t", 0, feats[:-1])
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        proposer.propose("t", 4)
+        times.append((time.perf_counter() - t0) / 4)
+        proposer.rollback("t", len(prompt_ids))
+    proposer.release("t")
+    return sorted(times)[len(times) // 2]
+
+
 def validate(target, draft, prompts: list[list[int]], max_tokens: int = 64, max_gamma: int = 8,
              timing_prompt: list[int] | None = None) -> dict:
-    records = [agreement(target, draft, ids, max_tokens) for ids in prompts]
+    """`draft`: a draft model, or a feature-fed draft's proposer (`FeatureProposer`)."""
+    feature = getattr(draft, "needs_features", False)
+    if feature:
+        records = [feature_agreement(target, draft, ids, max_tokens, max_gamma) for ids in prompts]
+    else:
+        records = [agreement(target, draft, ids, max_tokens) for ids in prompts]
     agree_all = [a for r in records for a in r.agree]
     alpha = sum(agree_all) / len(agree_all) if agree_all else 0.0
     timing_prompt = timing_prompt or prompts[0]
     t_target = time_step(target, timing_prompt)
-    t_draft = time_step(draft, timing_prompt)
+    t_draft = time_feature_step(target, draft, timing_prompt) if feature else time_step(draft, timing_prompt)
     c = t_draft / t_target
     per_gamma = []
     for gamma in range(1, max_gamma + 1):
         drafted, accepted, rounds, tokens = [0] * gamma, [0] * gamma, 0, 0
         for r in records:
-            d, a, n = replay_rounds(r.agree, gamma)
+            d, a, n = replay_rounds(r, gamma)
             drafted = [x + y for x, y in zip(drafted, d)]
             accepted = [x + y for x, y in zip(accepted, a)]
             rounds += n

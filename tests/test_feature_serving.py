@@ -156,3 +156,28 @@ def test_sampling_follows_target(loop):
     stats = decoder.metrics
     assert stats.rounds > 1500 and proposer.proposals_without_features == 0
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+
+
+# -- the shipped draft: provenance, and it validates above a threshold on held-out prompts -----------
+
+def test_shipped_draft_provenance_and_validate_gate(target_fp32, tokenizer):
+    import json
+
+    from cluster.workloads import humaneval_prompts
+    from drafts.feature_proposer import SHIPPED
+    from drafts.validate import Agreement, replay_rounds, validate
+
+    meta = json.loads((SHIPPED / "tandem_draft.json").read_text())
+    assert meta["kind"] == "feature" and "drafts distill --kind feature" in meta["command"]
+    assert meta["steps"] > 0 and "seed" in meta and "HumanEval" in meta["data"]["held_out"]
+    assert (SHIPPED / "draft.safetensors").stat().st_size <= 20 * 2**20
+    assert {"humaneval", "chat"} <= set(meta["validate"]), "its `drafts validate` report travels with it"
+
+    proposer = make_proposer(EngineConfig.build(draft="feature", dtype="float32"), target_fp32, tokenizer)
+    prompts = [tokenizer(p)["input_ids"] for p in humaneval_prompts()[:2]]  # held out of its training data
+    report = validate(target_fp32, proposer, prompts, max_tokens=24, max_gamma=3)
+    assert report["alpha"] >= 0.3, report["alpha"]  # the CLI's --min-acceptance gate, at a CI threshold
+    assert 0 < report["cost_ratio"] < 0.5 and proposer.num_sessions == 0
+    # rounds are replayed from each position's run of right drafts (its later drafts read its own features)
+    record = Agreement([5, 6, 7, 8], [True, True, False, True], runs=[1, 0, 0, 1])
+    assert replay_rounds(record, 3) == ([2, 1, 1], [1, 0, 0], 3)  # pos 0: run 1 (+1), pos 2: 0 (+1), pos 3: last

@@ -40,7 +40,7 @@ class EngineConfig(BaseModel):
     threads: int | None = Field(1, ge=1, description="torch intra-op threads for this process (None leaves torch's default).")
     cache_dir: str | None = Field(None, description="Model cache root (default $TANDEM_CACHE_DIR or ~/.cache/tandem).")
     max_ngram: int = Field(3, ge=1, le=16, description="Longest n-gram the prompt-lookup proposer matches.")
-    tree_width: int = Field(1, ge=1, le=4, description="Draft-model proposer, sequential rounds: candidates at the first draft position (the draft's most likely tokens, verified as a token tree in one forward); 1 drafts a chain.")
+    tree_width: int = Field(1, ge=1, le=4, description="Sequential rounds, verified as a token tree in one forward: the draft model's candidates at the first draft position (its most likely tokens); the hybrid's match rounds: up to this many continuations of the session's own suffix with different first tokens. 1 drafts a chain.")
     network: NetworkConfig = Field(default_factory=NetworkConfig, description="The verifier's internal gRPC service: the address it binds and advertises ('node' or 'loopback') and optional TLS; calls always need the cluster secret.")
     backend: Literal["torch", "vllm"] = Field("torch", description="Target engine: 'torch' (tandem's own runner over transformers' models, the default) or 'vllm' (vLLM owns the target and its decoding loop; tandem's drafter proposes through vLLM's custom proposer class; needs `pip install -e '.[vllm]'`).")
 
@@ -64,11 +64,12 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_to
     if config.proposer == "ngram":
         return NGramProposer(max_ngram=config.max_ngram)
     if is_feature_draft(config.draft):  # EAGLE-style: reads the target's features, sent by the verifier
-        if config.tree_width > 1:
-            raise ConfigError("a feature-fed draft drafts chains: tree_width must be 1")
         model = FeatureProposer(load_feature_draft(target_model, feature_draft_dir(config.draft)))
         if config.proposer == "hybrid":  # its cost ratio, measured on this machine (tandem_draft.json)
-            return HybridProposer(model, max_ngram=config.max_ngram, cost_ratio=0.1)
+            return HybridProposer(model, max_ngram=config.max_ngram, cost_ratio=0.1, tree_width=config.tree_width)
+        if config.tree_width > 1:
+            raise ConfigError("a feature-fed draft drafts chains: tree_width must be 1 (or use proposer hybrid, "
+                              "whose match rounds may be trees)")
         return model
     if config.draft == INT8_DRAFT:
         draft_model = quantized_copy(target_model)
@@ -80,7 +81,7 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_to
         draft_model = models.load_causal_lm(path, config.dtype, config.device)
     model = DraftModelProposer(TorchModelRunner(draft_model, name="draft"), tree_width=config.tree_width)
     if config.proposer == "hybrid":
-        return HybridProposer(model, max_ngram=config.max_ngram)
+        return HybridProposer(model, max_ngram=config.max_ngram, tree_width=config.tree_width)
     return model
 
 

@@ -25,7 +25,7 @@ token it has not seen in one forward at its next draft (its KV never holds rejec
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from cluster.errors import ConfigError, InvalidRequestError
@@ -71,6 +71,51 @@ def suffix_match(tokens: Sequence[int], corpus: Sequence[int], k: int, max_ngram
         if best >= 0:
             return list(corpus[best + n:best + n + k]), best_len
     return [], 0
+
+
+def suffix_alternatives(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int, width: int,
+                        exclude: Collection[int]) -> list[list[int]]:
+    """Up to `width` other continuations of `tokens`' own suffix, each up to `k` tokens long, whose first
+    tokens differ from `exclude` and from each other: for n from `max_ngram` down to `min_ngram`, the
+    occurrences of the last n tokens, the most recent first."""
+    out: list[list[int]] = []
+    firsts = set(exclude)
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        pattern = list(tokens[length - n:])
+        for pos in range(length - n - 1, -1, -1):  # a token follows every occurrence (it ends before the suffix)
+            if tokens[pos] != pattern[0] or list(tokens[pos:pos + n]) != pattern:
+                continue
+            follow = list(tokens[pos + n:pos + n + k])
+            if follow[0] not in firsts:
+                firsts.add(follow[0])
+                out.append(follow)
+                if len(out) >= width:
+                    return out
+    return out
+
+
+def _chain(proposal: DraftProposal) -> list[int]:
+    """A proposal's own continuation (a token tree's first child at each level)."""
+    if proposal.parents is None:
+        return list(proposal.token_ids)
+    out, node = [], -1
+    while (child := next((i for i, p in enumerate(proposal.parents) if p == node), None)) is not None:
+        out.append(proposal.token_ids[child])
+        node = child
+    return out
+
+
+def match_tree(chains: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(token_ids, parents) of a token tree whose root children start the chains, in order (the first
+    chain first, so it is the tree's own chain, `DraftReply.chain`)."""
+    token_ids: list[int] = []
+    parents: list[int] = []
+    for chain in chains:
+        for i, token in enumerate(chain):
+            parents.append(-1 if i == 0 else len(token_ids) - 1)
+            token_ids.append(token)
+    return token_ids, parents
 
 
 class _Acceptance:
@@ -135,12 +180,15 @@ class HybridProposer:
     def __init__(self, model: Proposer, max_ngram: int = 3, min_match: int = 1, confident_match: int | None = 8,
                  cost_ratio: float = 0.4, verify_token_cost: float = 0.03, prior_model: float = 0.7,
                  prior_ngram: float = 0.5, acceptance_weight: float = 0.25, probe_every: int = 8,
-                 history_tokens: int = 8192):
+                 history_tokens: int = 8192, tree_width: int = 1):
         """`max_ngram`: longest suffix looked up; `min_match`: shortest match used; `confident_match`: a
         match at least this long is used whatever the estimates say (None: never); `cost_ratio`: the
         model's c (draft token time / target step); `prior_*`: α before a source's first verified
         round; `probe_every`: rounds a match may be passed over before it is tried anyway;
-        `history_tokens`: tokens of released sessions' outputs kept for cross-session matches (0: off)."""
+        `history_tokens`: tokens of released sessions' outputs kept for cross-session matches (0: off);
+        `tree_width` > 1: a match round asked for a tree (`propose_batch(trees=...)`, sequential rounds)
+        proposes up to this many continuations of the session's own suffix with different first tokens,
+        as a token tree verified in one forward (the chosen match is the tree's chain)."""
         if not 1 <= min_match <= max_ngram:
             raise ConfigError(f"need 1 <= {min_match=} <= {max_ngram=}")
         if confident_match is not None and confident_match < min_match:
@@ -150,6 +198,8 @@ class HybridProposer:
         if cost_ratio < 0 or verify_token_cost < 0 or probe_every < 1 or history_tokens < 0:
             raise ConfigError("cost_ratio, verify_token_cost and history_tokens must be >= 0, probe_every >= 1")
         self.model = model
+        self.tree_width = max(1, tree_width)
+        self.tree_rounds = 0  # match rounds proposed as a tree of several continuations
         self.max_ngram, self.min_match, self.confident_match = max_ngram, min_match, confident_match
         self.max_match = max(max_ngram, confident_match or 0)
         self.cost_ratio, self.verify_token_cost = cost_ratio, verify_token_cost
@@ -205,8 +255,10 @@ class HybridProposer:
     def propose(self, session: SessionId, k: int) -> DraftProposal:
         return self.propose_batch({session: k})[session]
 
-    def propose_batch(self, requests: dict[SessionId, int]) -> dict[SessionId, DraftProposal]:
-        """Match rounds are drafted here; the model's rounds in one batched `propose_batch` call."""
+    def propose_batch(self, requests: dict[SessionId, int], trees: Collection[SessionId] = ()
+                      ) -> dict[SessionId, DraftProposal]:
+        """Match rounds are drafted here; the model's rounds in one batched `propose_batch` call. `trees`:
+        sessions whose round may be a token tree (several match continuations, or the model's own tree)."""
         out: dict[SessionId, DraftProposal] = {}
         model_requests: dict[SessionId, int] = {}
         for session, k in requests.items():
@@ -220,18 +272,32 @@ class HybridProposer:
                 model_requests[session] = k
                 continue
             start = len(state.tokens)
+            others = []
+            if session in trees and self.tree_width > 1:
+                others = suffix_alternatives(state.tokens, len(drafts), self.max_ngram, self.min_match,
+                                             self.tree_width - 1, {drafts[0]})
             state.tokens.extend(drafts)
             self.model.rollback(session, start, drafts)  # the model's sequence follows (no compute)
             self._record(state, NGRAM, start, drafts, estimate)
-            out[session] = DraftProposal(drafts, None)
+            if others:
+                self.tree_rounds += 1
+                token_ids, parents = match_tree([drafts, *others])
+                out[session] = DraftProposal(token_ids, None, parents)
+            else:
+                out[session] = DraftProposal(drafts, None)
         if model_requests:
-            proposals = self.model.propose_batch(model_requests)
+            model_trees = [s for s in trees if s in model_requests]
+            if model_trees and getattr(self.model, "tree_width", 1) > 1:
+                proposals = self.model.propose_batch(model_requests, trees=model_trees)
+            else:
+                proposals = self.model.propose_batch(model_requests)
             for session, proposal in proposals.items():
                 state = self._sessions[session]
                 if proposal.token_ids:
                     start = len(state.tokens)
-                    state.tokens.extend(proposal.token_ids)
-                    self._record(state, MODEL, start, list(proposal.token_ids), (MODEL,))
+                    chain = _chain(proposal)
+                    state.tokens.extend(chain)
+                    self._record(state, MODEL, start, chain, (MODEL,))
                 out[session] = proposal
         return {session: out[session] for session in requests}
 

@@ -327,3 +327,45 @@ def test_validate_replays_each_source_round_by_round():
                       "model_rounds": 1, "model_drafted": 2, "model_accepted": 2}
     alone = replay_sources(prompt, record, gamma=3, cost_ratio=0.5, hybrid=False)  # round 2 is a plain step
     assert (alone["rounds"], alone["time"], alone["model_rounds"]) == (4, 4.0, 0)
+
+
+# -- several matches as one token tree -----------------------------------------------------------
+
+def test_suffix_alternatives_and_their_tree():
+    from drafts.hybrid import match_tree, suffix_alternatives
+
+    tokens = [1, 4, 2, 9, 1, 4, 7, 8, 3, 4, 5, 1, 4]  # suffix [1, 4] was followed by 2 and 7; [4] also by 5
+    assert suffix_alternatives(tokens, 2, 3, 1, 3, exclude={7}) == [[2, 9], [5, 1]]
+    assert suffix_alternatives(tokens, 2, 3, 2, 3, exclude={7}) == [[2, 9]]  # min_ngram 2: [4] alone is too short
+    assert suffix_alternatives(tokens, 2, 3, 1, 1, exclude=()) == [[7, 8]]  # the most recent first
+    ids, parents = match_tree([[7, 8, 3], [2, 9], [5]])
+    assert ids == [7, 8, 3, 2, 9, 5] and parents == [-1, 0, 1, -1, 3, -1]
+
+
+TREE_PROMPT = [1, 4, 2, 1, 4, 7, 1, 4]  # [1, 4] was followed by 2 and by 7: a two-branch match tree
+
+
+def test_match_trees_sample_the_target_and_siblings_win(tiny_pair):
+    """Sequential rounds whose matches are token trees (the other continuations as siblings): the output
+    follows the target's distribution, and the verifier accepted a sibling branch in some rounds."""
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(target, TREE_PROMPT, 3, params)
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=1, confident_match=2,
+                            history_tokens=0, tree_width=3)
+    decoder = SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 3)
+    samples = [tuple(decoder.generate(TREE_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})).token_ids)
+               for i in range(2000)]
+    assert hybrid.tree_rounds > 1000 and decoder.metrics.tree_rounds >= hybrid.tree_rounds
+    assert decoder.metrics.tree_branch_hits > 50, decoder.metrics
+    assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+
+
+def test_match_trees_greedy_equals_transformers(target_fp32, draft_int8, tokenizer, prompt_ids, references):
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft")), tree_width=2)
+    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"), hybrid, tokenizer, 3)
+    for ids in prompt_ids:
+        result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        assert result.token_ids == references[tuple(ids)][: len(result.token_ids)]
+        assert len(result.token_ids) == MAX_TOKENS or result.finish_reason == "stop"
+    assert hybrid.tree_rounds > 0 and decoder.metrics.tree_rounds == hybrid.tree_rounds  # the model drafts chains

@@ -95,6 +95,8 @@ class _Session:
 class TorchModelRunner:
     """Runs one Hugging Face causal LM on CPU or CUDA for many sessions."""
 
+    batches_trees = True  # extend_batch scores token trees beside chains in one forward
+
     def __init__(self, model: torch.nn.Module, name: str = "model"):
         self.model = model.eval()
         self.name = name
@@ -196,15 +198,23 @@ class TorchModelRunner:
 
     @torch.inference_mode()
     def extend_batch(self, requests: Mapping[SessionId, Sequence[int]],
-                     num_logits: Mapping[SessionId, int] | None = None) -> dict[SessionId, torch.Tensor]:
+                     num_logits: Mapping[SessionId, int] | None = None,
+                     trees: Mapping[SessionId, tuple[int, "TokenTree"]] | None = None) -> dict[SessionId, torch.Tensor]:
         """Extend several sessions in one forward pass.
 
         Cached keys/values are left-padded to a common length and new tokens right-padded; an
         attention mask hides the padding and position ids keep each session's own positions.
+        `trees`: sessions whose new tokens are `num_prefix` committed tokens and then a token tree's
+        nodes (`requests[s]` = prefix + tree.token_ids), scored as `extend_tree` scores them (all their
+        logits are returned; `keep_tree_path` keeps the accepted branch), in the same forward.
         """
         requests = {s: list(t) for s, t in requests.items() if len(t) > 0}
+        trees = {s: t for s, t in (trees or {}).items() if s in requests}
         if len(requests) <= 1:
-            return {s: self.extend(s, t, (num_logits or {}).get(s)) for s, t in requests.items()}
+            return {s: self.extend_tree(s, t[: trees[s][0]], trees[s][1]) if s in trees
+                    else self.extend(s, t, (num_logits or {}).get(s)) for s, t in requests.items()}
+        if trees:
+            return self._extend_batch_masked(requests, num_logits or {}, trees)
         sessions = list(requests)
         states = [self._get(s) for s in sessions]
         for s, state in zip(sessions, states):
@@ -249,6 +259,62 @@ class TorchModelRunner:
                 new_values = layer.values[i : i + 1, :, past : past + counts[i]]
                 state.cache.layers[layer_idx].update(new_keys, new_values)
             results[s] = logits[i, counts[i] - keep[i] - lo : counts[i] - lo]
+        return results
+
+    def _extend_batch_masked(self, requests: dict, num_logits: Mapping, trees: Mapping) -> dict[SessionId, torch.Tensor]:
+        """`extend_batch` with token trees among the sessions: a 4-D additive mask per session (its cache,
+        then its prefix causally and its tree's nodes along their own paths) and per-token positions."""
+        sessions = list(requests)
+        states = [self._get(s) for s in sessions]
+        for s, state in zip(sessions, states):
+            self._check_room(state, s, len(requests[s]))
+        lengths = [state.length for state in states]
+        counts = [len(requests[s]) for s in sessions]
+        batch, past, new = len(sessions), max(lengths), max(counts)
+        input_ids = torch.zeros(batch, new, dtype=torch.long)  # [B, new]
+        position_ids = torch.zeros(batch, new, dtype=torch.long)  # [B, new]
+        allowed = torch.zeros(batch, new, past + new, dtype=torch.bool)  # [B, new, past + new]
+        allowed[:, torch.arange(new), past + torch.arange(new)] = True  # every row sees itself (padding too)
+        for i, s in enumerate(sessions):
+            n_i, start = counts[i], lengths[i]
+            input_ids[i, :n_i] = torch.tensor(requests[s])
+            allowed[i, :n_i, past - start:past] = True  # its cache
+            if s in trees:
+                num_prefix, tree = trees[s]
+                base = start + num_prefix
+                position_ids[i, :num_prefix] = torch.arange(start, base)
+                position_ids[i, num_prefix:n_i] = base + torch.tensor(tree.position_offsets(), dtype=torch.long)
+                position_ids[i, n_i:] = base + len(tree)
+                allowed[i, :num_prefix, past:past + num_prefix] = torch.ones(num_prefix, num_prefix, dtype=torch.bool).tril()
+                allowed[i, num_prefix:n_i, past:past + num_prefix] = True
+                allowed[i, num_prefix:n_i, past + num_prefix:past + n_i] = tree.attention_mask()
+            else:
+                position_ids[i] = torch.arange(start, start + new)
+                allowed[i, :n_i, past:past + n_i] = torch.ones(n_i, n_i, dtype=torch.bool).tril()
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        cache = _new_cache(self.num_layers, capacity=past + new)
+        if past > 0:
+            for layer_idx, layer in enumerate(cache.layers):
+                first = states[0].cache.layers[layer_idx]
+                keys = first.keys.new_zeros(batch, first.keys.shape[1], past, first.keys.shape[-1])  # [B, H, past, D]
+                values = first.values.new_zeros(batch, first.values.shape[1], past, first.values.shape[-1])
+                for i, state in enumerate(states):
+                    src = state.cache.layers[layer_idx]
+                    if lengths[i]:
+                        keys[i, :, past - lengths[i]:] = src.keys[0, :, :lengths[i]]
+                        values[i, :, past - lengths[i]:] = src.values[0, :, :lengths[i]]
+                layer.update(keys, values)
+        dev = self.device
+        logits = self._forward(sessions, counts, 0, input_ids=input_ids.to(dev), position_ids=position_ids.to(dev),
+                               attention_mask=mask[:, None].to(dev),  # [B, 1, new, past + new]
+                               past_key_values=cache, use_cache=True).float()  # [B, new, vocab_size]
+        results: dict[SessionId, torch.Tensor] = {}
+        for i, (s, state) in enumerate(zip(sessions, states)):
+            for layer_idx, layer in enumerate(cache.layers):
+                state.cache.layers[layer_idx].update(layer.keys[i:i + 1, :, past:past + counts[i]],
+                                                     layer.values[i:i + 1, :, past:past + counts[i]])
+            keep = counts[i] if s in trees else min(num_logits.get(s, counts[i]), counts[i])
+            results[s] = logits[i, counts[i] - keep:counts[i]]
         return results
 
     # -- token trees ----------------------------------------------------------------------------

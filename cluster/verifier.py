@@ -205,13 +205,16 @@ class VerifierEngine:
                     break
             if not batch:
                 return 0
-            feeds = {sid: state.uncached + rnd.token_ids for sid, state, rnd, _ in batch if rnd.parents is None}
+            feeds = {sid: state.uncached + rnd.token_ids for sid, state, rnd, _ in batch}
+            trees = {sid: (len(state.uncached), rnd.tree()) for sid, state, rnd, _ in batch if rnd.parents is not None}
             start = time.time()
-            try:
-                logits = self.runner.extend_batch({s: f for s, f in feeds.items() if f})
-                for sid, state, rnd, _ in batch:  # token trees: a forward each, with the tree's mask
-                    if rnd.parents is not None:
-                        logits[sid] = self.runner.extend_tree(sid, state.uncached, rnd.tree())
+            try:  # chains and token trees (each node along its own path) in one forward
+                if trees and not getattr(self.runner, "batches_trees", False):  # e.g. tensor-parallel ranks
+                    logits = self.runner.extend_batch({s: f for s, f in feeds.items() if f and s not in trees})
+                    for sid, (num_prefix, tree) in trees.items():
+                        logits[sid] = self.runner.extend_tree(sid, feeds[sid][:num_prefix], tree)
+                else:
+                    logits = self.runner.extend_batch({s: f for s, f in feeds.items() if f}, trees=trees)
             except Exception as e:  # a failed forward fails its rounds, loudly; the sessions survive
                 log.exception("verification forward failed")
                 for sid, state, rnd, callback in batch:

@@ -426,6 +426,38 @@ def test_keep_tree_path_leaves_the_cache_of_the_accepted_branch(attn_target, pro
     torch.testing.assert_close(runner.extend(session, nxt), runner.extend(fresh, nxt), atol=ATOL, rtol=ATOL)
 
 
+def test_trees_and_chains_batched_in_one_forward_equal_their_own_forwards(attn_target, prompt_ids):
+    """`extend_batch(trees=...)`: a chain session and two tree sessions (prefixes of 1 and 0 tokens, caches
+    of different lengths) in one forward give each session the logits of its own `extend` /
+    `extend_tree`, and leave caches that `keep_tree_path` turns into the accepted branch's."""
+    from cluster.runner import TorchModelRunner
+
+    runner = TorchModelRunner(attn_target)
+    a, b, c = prompt_ids[0], prompt_ids[1], prompt_ids[0][:-4]
+    tree_b = TokenTree([b[-1], 330, b[-2], 11, 95, b[-3]], SHAPE)
+    tree_c = TokenTree([c[2], c[3], 17], [-1, 0, -1])
+    for s, ids in (("a", a[:-3]), ("b", b[:-1]), ("c", c)):
+        runner.add_session(s)
+        runner.extend(s, ids)
+    got = runner.extend_batch({"a": a[-3:], "b": b[-1:] + tree_b.token_ids, "c": tree_c.token_ids},
+                              trees={"b": (1, tree_b), "c": (0, tree_c)})
+    solo = TorchModelRunner(attn_target)
+    for s, ids in (("a", a[:-3]), ("b", b[:-1]), ("c", c)):
+        solo.add_session(s)
+        solo.extend(s, ids)
+    want = {"a": solo.extend("a", a[-3:]), "b": solo.extend_tree("b", b[-1:], tree_b), "c": solo.extend_tree("c", [], tree_c)}
+    for s in "abc":
+        assert got[s].shape == want[s].shape
+        torch.testing.assert_close(got[s], want[s], atol=ATOL, rtol=ATOL)
+    runner.keep_tree_path("b", len(b), [0, 2, 5], tree_b)
+    solo.keep_tree_path("b", len(b), [0, 2, 5], tree_b)
+    runner.keep_tree_path("c", len(c), [2], tree_c)
+    solo.keep_tree_path("c", len(c), [2], tree_c)
+    for s in "abc":
+        assert runner.length(s) == solo.length(s)
+        torch.testing.assert_close(runner.extend(s, [9, 42]), solo.extend(s, [9, 42]), atol=ATOL, rtol=ATOL)
+
+
 def test_keep_tree_path_refuses_a_path_that_is_not_one(target_runner):
     tree = TokenTree([5, 6, 7, 8, 9, 10], SHAPE)
     session = target_runner.add_session()
@@ -518,3 +550,29 @@ def test_greedy_tree_loop_reproduces_transformers(target_runner, draft_runner, p
         out, paths = _tree_loop(target_runner, WrongFirstOracle(ids, reference, target_runner.vocab_size), ids, MAX_TOKENS)
         assert out == reference
         assert all(path == [1, 2] for path in paths[:-1])
+
+
+def test_the_engine_verifies_tree_rounds_of_several_sessions_in_one_forward(target_fp32, prompt_ids):
+    from cluster.runner import TorchModelRunner
+    from cluster.verifier import Round, VerifierEngine
+
+    def run(sessions: list[int]) -> tuple[dict, int]:
+        engine = VerifierEngine(TorchModelRunner(target_fp32))
+        forwards = []
+        inner = engine.runner._forward
+        engine.runner._forward = lambda *a, **kw: forwards.append(1) or inner(*a, **kw)
+        results = {}
+        for i in sessions:
+            ids = prompt_ids[i]
+            engine.open(f"s{i}", ids, SamplingParams(max_tokens=8))
+            rnd = Round(f"s{i}", 0, 0, [ids[3], 1143, 28], None, True, parents=[-1, -1, 0])
+            engine.submit(rnd, lambda r, i=i: results.__setitem__(i, r))
+        before = len(forwards)
+        engine.step()
+        return results, len(forwards) - before
+
+    together, forwards = run([0, 1])
+    assert forwards == 1 and set(together) == {0, 1}
+    for i in (0, 1):
+        alone, _ = run([i])
+        assert together[i].output_token_ids == alone[i].output_token_ids

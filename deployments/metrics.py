@@ -36,6 +36,12 @@ class TandemMetrics:
         self.pipeline_stalls = metrics.Counter("tandem_pipeline_stalls", "Pipelined rounds sent with nothing in flight.", tags)
         self.bubble_fills = metrics.Counter(
             "tandem_bubble_fills", "Plain steps run while the drafter redrafted after a rejection.", tags)
+        self.bubble_fill_hits = metrics.Counter(
+            "tandem_bubble_fill_hits", "Bubble fills whose redraft went on as the next round.", tags)
+        self.stale_rounds = metrics.Counter("tandem_stale_rounds", "Rounds drafted before a rejection (dropped).", tags)
+        self.tree_rounds = metrics.Counter("tandem_tree_rounds", "Rounds whose drafts were a token tree.", tags)
+        self.tree_branch_hits = metrics.Counter(
+            "tandem_tree_branch_hits", "Token-tree rounds whose accepted branch was not the drafter's own chain.", tags)
         self.replays = metrics.Counter("tandem_replays", "Sessions replayed onto another verifier replica.", tags)
         self.fallbacks = metrics.Counter("tandem_drafter_fallbacks", "Sessions that went on with plain decoding after losing their drafter.", tags)
         self.queue_depth = metrics.Gauge("tandem_queue_depth", "Requests waiting for a router slot.", tags)
@@ -43,7 +49,8 @@ class TandemMetrics:
         for metric in (self.requests, self.errors, self.prompt_tokens, self.generated_tokens, self.drafted_tokens,
                        self.accepted_tokens, self.accepted_per_position, self.drafted_per_position, self.rounds,
                        self.gamma, self.mean_accepted_length, self.ttft, self.inter_token, self.pipeline_stalls,
-                       self.bubble_fills, self.replays, self.fallbacks, self.queue_depth, self.active_sessions):
+                       self.bubble_fills, self.bubble_fill_hits, self.stale_rounds, self.tree_rounds,
+                       self.tree_branch_hits, self.replays, self.fallbacks, self.queue_depth, self.active_sessions):
             metric.set_default_tags(self.default_tags)
 
     def record_request(self, stats, finish_reason: str, ttft_s: float | None, inter_token_s: float | None) -> None:
@@ -73,6 +80,8 @@ class TandemMetrics:
 
     def record_router(self, delta: dict[str, int]) -> None:
         for name, metric in (("pipeline_stalls", self.pipeline_stalls), ("bubble_fills", self.bubble_fills),
+                             ("bubble_fill_hits", self.bubble_fill_hits), ("stale_rounds", self.stale_rounds),
+                             ("tree_rounds", self.tree_rounds), ("tree_branch_hits", self.tree_branch_hits),
                              ("replays", self.replays),
                              ("drafter_fallbacks", self.fallbacks)):
             if delta.get(name):

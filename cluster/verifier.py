@@ -209,12 +209,15 @@ class VerifierEngine:
             trees = {sid: (len(state.uncached), rnd.tree()) for sid, state, rnd, _ in batch if rnd.parents is not None}
             start = time.time()
             try:  # chains and token trees (each node along its own path) in one forward
-                if trees and not getattr(self.runner, "batches_trees", False):  # e.g. tensor-parallel ranks
-                    logits = self.runner.extend_batch({s: f for s, f in feeds.items() if f and s not in trees})
+                chains = {s: f for s, f in feeds.items() if f and s not in trees}
+                if not trees:
+                    logits = self.runner.extend_batch(chains)
+                elif getattr(self.runner, "batches_trees", False):
+                    logits = self.runner.extend_batch({s: f for s, f in feeds.items() if f}, trees=trees)
+                else:  # a runner that scores trees one at a time
+                    logits = self.runner.extend_batch(chains)
                     for sid, (num_prefix, tree) in trees.items():
                         logits[sid] = self.runner.extend_tree(sid, feeds[sid][:num_prefix], tree)
-                else:
-                    logits = self.runner.extend_batch({s: f for s, f in feeds.items() if f}, trees=trees)
             except Exception as e:  # a failed forward fails its rounds, loudly; the sessions survive
                 log.exception("verification forward failed")
                 for sid, state, rnd, callback in batch:

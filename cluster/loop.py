@@ -264,7 +264,8 @@ class SessionLoop:
                 if live:
                     k = 0
                 else:  # the drafter joins late, from the committed tokens (and their features)
-                    s.sync = [op for op in [s.features.sync() if s.features is not None else None] if op]
+                    resend = s.features.sync() if s.features is not None else None
+                    s.sync = [resend] if resend is not None else []
                     self.drafter.start(list(s.committed))
                     k = k if self.drafting else 0
             if (k > 0 and not live and not sequential and config.fill_bubbles and stats.rounds > 0

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from cluster.tree import first_chain
+
 # q's non-zero entries for one draft position, (token ids, probs): what crosses the wire
 SparseRow = tuple[list[int], list[float]]
 
@@ -63,15 +65,7 @@ class DraftReply:
 
     def chain(self) -> list[int]:
         """The drafter's own continuation: the first child at each level from the root."""
-        if self.parents is None:
-            return list(self.token_ids)
-        out, node = [], -1
-        while True:
-            child = next((i for i, parent in enumerate(self.parents) if parent == node), None)
-            if child is None:
-                return out
-            out.append(self.token_ids[child])
-            node = child
+        return first_chain(self.token_ids, self.parents)
 
     @property
     def deterministic(self) -> bool:

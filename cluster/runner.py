@@ -233,18 +233,7 @@ class TorchModelRunner:
             position_ids[i] = torch.arange(lengths[i], lengths[i] + new, device=dev)
             attention_mask[i, past - lengths[i] : past + counts[i]] = 1
 
-        cache = _new_cache(self.num_layers, capacity=past + new)
-        if past > 0:
-            for layer_idx, layer in enumerate(cache.layers):
-                first = states[0].cache.layers[layer_idx]
-                keys = first.keys.new_zeros(batch, first.keys.shape[1], past, first.keys.shape[-1])  # [B, H, past, D]
-                values = first.values.new_zeros(batch, first.values.shape[1], past, first.values.shape[-1])
-                for i, state in enumerate(states):
-                    src = state.cache.layers[layer_idx]
-                    if lengths[i]:
-                        keys[i, :, past - lengths[i] :] = src.keys[0, :, : lengths[i]]
-                        values[i, :, past - lengths[i] :] = src.values[0, :, : lengths[i]]
-                layer.update(keys, values)
+        cache = self._left_padded_cache(states, lengths, past, new)
 
         lo = min(c - k for c, k in zip(counts, keep))
         hi = max(counts)
@@ -252,14 +241,8 @@ class TorchModelRunner:
                                position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache,
                                use_cache=True).float()  # [B, hi - lo, vocab_size]
 
-        results: dict[SessionId, torch.Tensor] = {}
-        for i, (s, state) in enumerate(zip(sessions, states)):
-            for layer_idx, layer in enumerate(cache.layers):
-                new_keys = layer.keys[i : i + 1, :, past : past + counts[i]]  # [1, H, n_i, D]
-                new_values = layer.values[i : i + 1, :, past : past + counts[i]]
-                state.cache.layers[layer_idx].update(new_keys, new_values)
-            results[s] = logits[i, counts[i] - keep[i] - lo : counts[i] - lo]
-        return results
+        self._write_back(cache, states, past, counts)
+        return {s: logits[i, counts[i] - keep[i] - lo : counts[i] - lo] for i, s in enumerate(sessions)}
 
     def _extend_batch_masked(self, requests: dict, num_logits: Mapping, trees: Mapping) -> dict[SessionId, torch.Tensor]:
         """`extend_batch` with token trees among the sessions: a 4-D additive mask per session (its cache,
@@ -292,8 +275,20 @@ class TorchModelRunner:
                 position_ids[i] = torch.arange(start, start + new)
                 allowed[i, :n_i, past:past + n_i] = torch.ones(n_i, n_i, dtype=torch.bool).tril()
         mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        cache = self._left_padded_cache(states, lengths, past, new)
+        dev = self.device
+        logits = self._forward(sessions, counts, 0, input_ids=input_ids.to(dev), position_ids=position_ids.to(dev),
+                               attention_mask=mask[:, None].to(dev),  # [B, 1, new, past + new]
+                               past_key_values=cache, use_cache=True).float()  # [B, new, vocab_size]
+        self._write_back(cache, states, past, counts)
+        keep = [n if s in trees else min(num_logits.get(s, n), n) for s, n in zip(sessions, counts)]
+        return {s: logits[i, counts[i] - keep[i]:counts[i]] for i, s in enumerate(sessions)}
+
+    def _left_padded_cache(self, states: list[_Session], lengths: list[int], past: int, new: int) -> Cache:
+        """A batch cache holding each session's keys/values left-padded to `past`, with room for `new`."""
         cache = _new_cache(self.num_layers, capacity=past + new)
         if past > 0:
+            batch = len(states)
             for layer_idx, layer in enumerate(cache.layers):
                 first = states[0].cache.layers[layer_idx]
                 keys = first.keys.new_zeros(batch, first.keys.shape[1], past, first.keys.shape[-1])  # [B, H, past, D]
@@ -301,24 +296,21 @@ class TorchModelRunner:
                 for i, state in enumerate(states):
                     src = state.cache.layers[layer_idx]
                     if lengths[i]:
-                        keys[i, :, past - lengths[i]:] = src.keys[0, :, :lengths[i]]
-                        values[i, :, past - lengths[i]:] = src.values[0, :, :lengths[i]]
+                        keys[i, :, past - lengths[i] :] = src.keys[0, :, : lengths[i]]
+                        values[i, :, past - lengths[i] :] = src.values[0, :, : lengths[i]]
                 layer.update(keys, values)
-        dev = self.device
-        logits = self._forward(sessions, counts, 0, input_ids=input_ids.to(dev), position_ids=position_ids.to(dev),
-                               attention_mask=mask[:, None].to(dev),  # [B, 1, new, past + new]
-                               past_key_values=cache, use_cache=True).float()  # [B, new, vocab_size]
-        results: dict[SessionId, torch.Tensor] = {}
-        for i, (s, state) in enumerate(zip(sessions, states)):
+        return cache
+
+    @staticmethod
+    def _write_back(cache: Cache, states: list[_Session], past: int, counts: list[int]) -> None:
+        """Append each session's new keys/values (its `counts[i]` positions after `past`) to its own cache."""
+        for i, state in enumerate(states):
             for layer_idx, layer in enumerate(cache.layers):
-                state.cache.layers[layer_idx].update(layer.keys[i:i + 1, :, past:past + counts[i]],
-                                                     layer.values[i:i + 1, :, past:past + counts[i]])
-            keep = counts[i] if s in trees else min(num_logits.get(s, counts[i]), counts[i])
-            results[s] = logits[i, counts[i] - keep:counts[i]]
-        return results
+                state.cache.layers[layer_idx].update(layer.keys[i : i + 1, :, past : past + counts[i]],  # [1, H, n_i, D]
+                                                     layer.values[i : i + 1, :, past : past + counts[i]])
 
     # -- token trees ----------------------------------------------------------------------------
-    # One session per call (no batching across sessions). Works with any attention implementation
+    # One session per call (`extend_batch(trees=...)` batches trees across sessions). Works with any attention implementation
     # that takes transformers' additive 4-D float mask (sdpa and eager: a prepared 4-D mask is
     # passed through `create_causal_mask` unchanged).
 

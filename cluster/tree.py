@@ -93,6 +93,18 @@ def sibling_draft_probs(q: torch.Tensor, token_ids: Sequence[int], scheme: Sibli
     return torch.stack(rows) if rows else q.new_zeros(0, vocab)
 
 
+def first_chain(token_ids: Sequence[int], parents: Sequence[int] | None) -> list[int]:
+    """The proposer's own continuation in a tree (`parents` in `TokenTree` order): the first child at
+    each level from the root; a chain (`parents` None) is itself."""
+    if parents is None:
+        return list(token_ids)
+    out, node = [], ROOT
+    while (child := next((i for i, parent in enumerate(parents) if parent == node), None)) is not None:
+        out.append(token_ids[child])
+        node = child
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class TokenTree:
     """Draft tokens as a tree over the last committed token (the root, not a node).

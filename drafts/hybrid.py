@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from cluster.errors import ConfigError, InvalidRequestError
 from cluster.sampling import SamplingParams
+from cluster.tree import first_chain
 from drafts.cost_model import predicted_speedup
 from drafts.proposer import DraftProposal, Proposer, SessionId
 
@@ -92,17 +93,6 @@ def suffix_alternatives(tokens: Sequence[int], k: int, max_ngram: int, min_ngram
                 out.append(follow)
                 if len(out) >= width:
                     return out
-    return out
-
-
-def _chain(proposal: DraftProposal) -> list[int]:
-    """A proposal's own continuation (a token tree's first child at each level)."""
-    if proposal.parents is None:
-        return list(proposal.token_ids)
-    out, node = [], -1
-    while (child := next((i for i, p in enumerate(proposal.parents) if p == node), None)) is not None:
-        out.append(proposal.token_ids[child])
-        node = child
     return out
 
 
@@ -295,7 +285,7 @@ class HybridProposer:
                 state = self._sessions[session]
                 if proposal.token_ids:
                     start = len(state.tokens)
-                    chain = _chain(proposal)
+                    chain = first_chain(proposal.token_ids, proposal.parents)
                     state.tokens.extend(chain)
                     self._record(state, MODEL, start, chain, (MODEL,))
                 out[session] = proposal

@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", help="Serve config (default: the repository's ray_config.yaml)")
     srv.add_argument("--http-port", type=int, help="override http_options.port")
     srv.add_argument("--grpc-port", type=int, help="override grpc_options.port")
+    srv.add_argument("--engine", choices=["torch", "vllm"],
+                     help="override engine.backend: vllm serves the target on vLLM verifier replicas (Ray Serve "
+                          "LLM's LLMServer) with tandem's drafter (needs .[vllm])")
     return parser
 
 
@@ -299,6 +302,8 @@ def _serve(args) -> int:
     from deployments.serving import load_config, start
 
     config = load_config(args.config)  # fails fast, naming the field, before Ray starts
+    if args.engine:
+        config.app_configs = {name: app.with_backend(args.engine) for name, app in config.app_configs.items()}
     endpoints = start(config, args.http_port, args.grpc_port)
     model = next(iter(config.app_configs.values())).model_id
     print(f"tandem is serving {model}\n"

@@ -135,6 +135,13 @@ class DraftClient:
         """Apply `sync` (SyncOps), then draft k tokens continuing the session's sequence."""
         raise NotImplementedError
 
+    def resume(self, session: str, start: int, history: list[int], k: int) -> Future:
+        """A session the front door opened on `history[:start]` (its prompt; the drafter may already
+        be drafting): append what vLLM committed since, then draft k tokens."""
+        from cluster.messages import SyncOp
+
+        return self.propose(session, k, [SyncOp(length=start, token_ids=history[start:])])
+
     def release(self, session: str) -> None:
         raise NotImplementedError
 
@@ -253,6 +260,7 @@ class RayDraftClient(DraftClient):
             ray.init(address=address or "auto", namespace=namespace, log_to_driver=False,
                      logging_level=logging.WARNING)
         self.actor = ray.get_actor(actor_name, namespace=namespace)
+        self.late_registrations = 0
 
     def start_and_propose(self, session, prompt_ids, k):
         from cluster.sampling import SamplingParams
@@ -273,6 +281,28 @@ class RayDraftClient(DraftClient):
     def propose(self, session, k, sync=()):
         result: Future = Future()
         self._chain(self.actor.propose.remote(session, k, list(sync)), result)
+        return result
+
+    def resume(self, session, start, history, k):
+        """As `DraftClient.resume`; a session the drafter does not know (its registration was lost or
+        came late) is opened here on the whole history instead (logged)."""
+        result: Future = Future()
+        first = DraftClient.resume(self, session, start, history, k)
+
+        def done(f: Future) -> None:
+            try:
+                result.set_result(f.result())
+            except Exception as e:  # noqa: BLE001
+                if "unknown session" not in str(e):
+                    result.set_exception(e)
+                    return
+                log.warning("drafter did not know session %s: opening it from the proposer", session)
+                self.late_registrations += 1
+                again = self.start_and_propose(session, history, k)
+                again.add_done_callback(lambda g: result.set_exception(g.exception()) if g.exception()
+                                        else result.set_result(g.result()))
+
+        first.add_done_callback(done)
         return result
 
     @staticmethod
@@ -444,6 +474,7 @@ class TandemProposer:
         self.max_k = self.k
         self.overlap = True
         self.wait_s = 0.2
+        self.registered = False  # sessions opened and released by the front door, keyed by request id
         self._deadline = 0.0
         self.sessions: dict[str, _Session] = {}
         self._drafter_part: dict | None = None
@@ -470,6 +501,7 @@ class TandemProposer:
         self.max_k = min(self.k, int(spec.get("max_k", self.k)))
         self.overlap = bool(spec.get("overlap", True))
         self.wait_s = float(spec.get("wait_s", 0.2))
+        self.registered = bool(spec.get("registered", False))
         self.stats = Counter()
         if not keep:
             self.client = make_client(spec) if rank == 0 else None
@@ -514,7 +546,7 @@ class TandemProposer:
                 continue
             self.stats["rows"] += 1
             history = token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist()
-            draft = self._row(req_ids[i], history)
+            draft = self._row(self._key(req_ids[i]), history, len(sampled_token_ids[i]))
             if draft:
                 self.stats["drafted_rows"] += 1
                 self.stats["drafted_tokens"] += len(draft)
@@ -523,19 +555,32 @@ class TandemProposer:
             out.append(draft)
         live = getattr(self.runner, "requests", None)
         if live is not None:
+            live = {self._key(r) for r in live}
             for session in [s for s in self.sessions if s not in live]:  # finished or aborted
                 self.sessions.pop(session)
-                self.client.release(session)
+                if not self.registered:  # a registered session is released by its front door
+                    self.client.release(session)
                 self.stats["released"] += 1
         return out
 
-    def _row(self, rid: str, history: list[int]) -> list[int]:
+    def _key(self, rid: str) -> str:
+        """The drafter's session for vLLM's internal request id: with `registered`, the id the front
+        door gave the request (vLLM appends "-" and 8 random characters to it)."""
+        if self.registered and len(rid) > 9 and rid[-9] == "-":
+            return rid[:-9]
+        return rid
+
+    def _row(self, rid: str, history: list[int], num_new: int) -> list[int]:
         k = self.max_k
         s = self.sessions.get(rid)
         if s is None:
             s = self.sessions[rid] = _Session()
             self.stats["sessions"] += 1
-            self._submit(s, self.client.start_and_propose(rid, history, k + 1 if self.overlap else k), history)
+            n = k + 1 if self.overlap else k
+            if self.registered:  # the front door opened it on the prompt, before vLLM's prefill
+                self._submit(s, self.client.resume(rid, len(history) - num_new, history, n), history)
+            else:
+                self._submit(s, self.client.start_and_propose(rid, history, n), history)
         elif s.failed:
             self.stats["empty_failed"] += 1
             return []

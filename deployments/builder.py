@@ -32,6 +32,10 @@ def _check_tensor_parallel(config: TandemAppConfig) -> None:
 def build_app(config: TandemAppConfig | dict | None = None) -> Application:
     config = TandemAppConfig.build(config)
     _check_tensor_parallel(config)
+    if config.engine.backend == "vllm":  # vLLM verifier replicas (Ray Serve LLM's LLMServer) + their drafters
+        from deployments.vllm_serving import build_vllm_app
+
+        return build_vllm_app(config)
     plain = config.model_dump(mode="json")
     engine = config.engine.model_dump(mode="json")
 
@@ -54,16 +58,19 @@ def build_app(config: TandemAppConfig | dict | None = None) -> Application:
             health_check_period_s=10,
         ).bind(engine, config.drafter.placement.model_dump(mode="json"))
 
-    router_place = config.router.placement
-    router = serve.deployment(RouterDeployment).options(
-        **_options(config.router, "Router"),
-        ray_actor_options={"num_cpus": router_place.num_cpus, **({"resources": router_place.resources}
-                                                                  if router_place.resources else {})},
-    ).bind(plain, drafter, verifier)
+    router = serve.deployment(RouterDeployment).options(**router_options(config)).bind(plain, drafter, verifier)
+    return ingress_deployment(config, plain, router)
 
-    ingress_place = config.ingress.placement
+
+def router_options(config: TandemAppConfig) -> dict:
+    place = config.router.placement
+    return {**_options(config.router, "Router"),
+            "ray_actor_options": {"num_cpus": place.num_cpus, **({"resources": place.resources} if place.resources else {})}}
+
+
+def ingress_deployment(config: TandemAppConfig, plain: dict, router) -> Application:
+    place = config.ingress.placement
     return serve.deployment(Ingress).options(
         **_options(config.ingress, "Ingress"),
-        ray_actor_options={"num_cpus": ingress_place.num_cpus, **({"resources": ingress_place.resources}
-                                                                   if ingress_place.resources else {})},
+        ray_actor_options={"num_cpus": place.num_cpus, **({"resources": place.resources} if place.resources else {})},
     ).bind(plain, router)

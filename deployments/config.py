@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.engine import EngineConfig
+from cluster.engine import EngineConfig, needs_features
 from cluster.errors import ConfigError, validation_message
 from cluster.runtime import PlacementConfig
 from cluster.loop import LoopConfig
@@ -66,6 +66,18 @@ class FailoverConfig(BaseModel):
     resume_delay_s: float = Field(0.5, ge=0, le=60, description="Wait before each resume (Serve notices the dead replica and routes elsewhere or starts a new one).")
 
 
+class VLLMServingConfig(BaseModel):
+    """The vLLM verifier replicas (`engine.backend: vllm`): Ray Serve LLM's LLMServer with tandem's drafter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_model_len: int = Field(2048, ge=16, description="vLLM's context length (also the API's limit).")
+    kv_cache_space_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (GiB of KV cache per replica).")
+    overlap: bool = Field(True, description="The drafter keeps drafting as if its last draft will be accepted (a miss costs one plain step).")
+    wait_s: float = Field(0.2, ge=0, le=30, description="How long vLLM's proposer waits for a draft per step before a plain step.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="More vLLM engine arguments, passed as they are (e.g. gpu_memory_utilization).")
+
+
 def _default_verifier() -> DeploymentSpec:
     return DeploymentSpec(placement=PlacementConfig(num_cpus=1.0), max_ongoing_requests=32)
 
@@ -93,17 +105,23 @@ class TandemAppConfig(LoopConfig):
     router: DeploymentSpec = Field(default_factory=DeploymentSpec, description="Routers: drive sessions, own committed tokens.")
     drafter: DeploymentSpec = Field(default_factory=_default_drafter, description="Drafters: the draft model on a cheap accelerator.")
     verifier: DeploymentSpec = Field(default_factory=_default_verifier, description="The verifier pool: target model replicas, `tensor_parallel_size` ranks each.")
+    vllm: VLLMServingConfig = Field(default_factory=VLLMServingConfig, description="vLLM verifier replicas (only with engine.backend 'vllm').")
 
     @model_validator(mode="after")
     def _check(self) -> "TandemAppConfig":
-        if self.engine.backend != "torch":
-            raise ValueError(f"engine.backend={self.engine.backend!r} is not served yet (only `tandem generate` and "
-                             "`tandem bench --engine vllm`); the Serve application runs engine.backend 'torch'")
+        if self.engine.backend == "vllm" and self.speculative and needs_features(self.engine):
+            raise ValueError("a feature-fed draft cannot draft for vLLM replicas (vLLM does not return the target's "
+                             "hidden states to the proposer); use draft 'int8' or proposer 'ngram'")
         if self.max_tokens_limit is not None and self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} must be <= max_tokens_limit={self.max_tokens_limit}")
         if self.tensor_parallel_size > 1 and self.engine.device not in (None, "cpu") and self.verifier.placement.num_gpus < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} on GPUs needs verifier.placement.num_gpus >= 1")
         return self
+
+    def with_backend(self, backend: str) -> "TandemAppConfig":
+        """This config with `engine.backend` replaced (validated again)."""
+        engine = {**self.engine.model_dump(), "backend": backend}
+        return TandemAppConfig.build({**self.model_dump(), "engine": engine})
 
     @property
     def speculative(self) -> bool:

@@ -38,6 +38,10 @@ class IncrementalText:
         self.stop = stop
         self.sent = sent
 
+    def full(self, token_ids: list[int]) -> str:
+        """The whole text of `token_ids`, cut at the first stop string."""
+        return self._text(token_ids)
+
     def _text(self, token_ids: list[int]) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         cuts = [text.find(s) for s in self.stop if s in text]

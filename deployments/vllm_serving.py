@@ -1,0 +1,307 @@
+"""Serving with vLLM as the target engine (`engine.backend: vllm`): the same OpenAI and gRPC APIs.
+
+The application is the ingress (unchanged), a thin router (`VLLMRouterDeployment`: validation,
+text deltas, stop strings, metrics, resumes after a router failover) and the verifier pool, whose
+replicas are Ray Serve LLM's `LLMServer` (its `LLMConfig`, builder, placement group per replica and
+vLLM engine startup, reused as they are) extended by `TandemLLMServer`:
+
+- vLLM owns the target and its decoding loop; tandem's drafter proposes through the custom proposer
+  class (`cluster.vllm_proposer.TandemProposer`), a client of the replica's `Drafter` actor.
+- Each replica has its own drafter actor (`drafter.placement`: the cheap accelerator), outside the
+  replica's placement group: vLLM's proposer runs in the engine's worker process and must know its
+  drafter before requests arrive, so drafters are paired with verifier replicas.
+- `generate_tokens` is the session's front door to vLLM: it registers the prompt with the drafter
+  (the draft's prefill runs while the target prefills), submits the request with the session id as
+  vLLM's request id (the proposer keys the drafter's session by it), streams the committed tokens,
+  and ends the drafter's session when the request ends, finished, failed or cancelled (vLLM does not
+  tell the proposer).
+- The proposer's counters (hits, misses, plain `[]` rows, drafter failures) are Prometheus counters
+  (`tandem_vllm_proposer_rows{kind=...}`), recorded by the replica after each request.
+
+Placement: `verifier.placement` per rank; `tensor_parallel_size` ranks use vLLM's own tensor
+parallelism inside the replica's placement group (on GPUs through Ray; on CPU vLLM's processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import asdict
+
+from cluster import models
+from cluster.errors import InvalidRequestError
+from cluster.sampling import SamplingParams
+from cluster.speculate import SpeculationStats, validate_request
+from deployments.config import TandemAppConfig
+from deployments.failover import SessionProgress
+from deployments.metrics import TandemMetrics
+from deployments.router import IncrementalText
+
+log = logging.getLogger(__name__)
+
+PROPOSER_KINDS = ("hits", "misses", "drafted_rows", "empty_rows", "empty_late", "empty_failed", "drafter_failures",
+                  "proposer_errors")
+
+
+def llm_config(config: TandemAppConfig):
+    """Ray Serve LLM's `LLMConfig` for the verifier replicas of `config` (engine.backend vllm)."""
+    from ray.serve.llm import LLMConfig
+
+    from cluster.vllm_proposer import PROPOSER_CLASS, WORKER_EXTENSION
+
+    engine, vllm = config.engine, config.vllm
+    path = models.resolve_model_path(engine.target, engine.cache_dir)
+    on_gpu = config.verifier.placement.num_gpus > 0
+    bundle = {"GPU": 1.0, "CPU": 1.0} if on_gpu else config.verifier.placement.bundle()
+    engine_kwargs = {"dtype": engine.dtype, "max_model_len": vllm.max_model_len, "seed": 0,
+                     "tensor_parallel_size": config.tensor_parallel_size, "enforce_eager": not on_gpu,
+                     "worker_extension_cls": WORKER_EXTENSION, "disable_log_stats": False}
+    if config.speculative:
+        engine_kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
+                                               "num_speculative_tokens": engine.num_speculative_tokens}
+        engine_kwargs["per_request_spec_decode_metrics"] = "summary"  # each request's drafted / accepted
+    engine_kwargs.update(vllm.engine_kwargs)
+    env = {"VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": f"{vllm.kv_cache_space_gib:g}"}
+    if config.tensor_parallel_size > 1 and not on_gpu:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(config.tensor_parallel_size))
+    spec = config.verifier
+    deployment = {"max_ongoing_requests": spec.max_ongoing_requests, "max_queued_requests": spec.max_queued_requests,
+                  "health_check_period_s": 10, "ray_actor_options": {"num_cpus": 0},
+                  **spec.replica_options()}
+    return LLMConfig(model_loading_config={"model_id": config.model_id, "model_source": str(path)},
+                     placement_group_config={"bundles": [bundle] * config.tensor_parallel_size,
+                                             "strategy": "STRICT_PACK"},
+                     engine_kwargs=engine_kwargs, runtime_env={"env_vars": env}, deployment_config=deployment)
+
+
+def _vllm_params(params: SamplingParams):
+    from vllm import SamplingParams as VParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                   top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
+                   ignore_eos=params.ignore_eos, output_kind=RequestOutputKind.DELTA)
+
+
+def _server_base():
+    from ray.serve.llm.deployment import LLMServer
+
+    return LLMServer
+
+
+class TandemLLMServer(_server_base()):
+    """A verifier replica on vLLM: Ray Serve LLM's `LLMServer` plus tandem's drafter and front door."""
+
+    async def __init__(self, llm_config, *, tandem: dict | None = None, **kwargs):
+        import ray
+        from ray import serve
+        from ray.util import metrics
+
+        await super().__init__(llm_config, **kwargs)
+        tandem = tandem or {}
+        self.drafter = None
+        self.speculative = bool(tandem.get("speculative"))
+        if self.speculative:
+            from cluster.drafter import Drafter
+
+            context = serve.get_replica_context()
+            name = f"tandem-vllm-drafter-{context.app_name}-{context.replica_id.unique_id}"
+            placement = tandem.get("drafter_placement") or {}
+            self.drafter = ray.remote(Drafter).options(
+                name=name, num_cpus=placement.get("num_cpus", 1), num_gpus=placement.get("num_gpus", 0),
+                accelerator_type=placement.get("accelerator_type"), resources=placement.get("resources") or None,
+                scheduling_strategy="DEFAULT",  # not in the replica's placement group
+                max_restarts=-1, max_task_retries=0, max_concurrency=256).remote(tandem["engine"])
+            await self.drafter.ready.remote()
+            spec = {"client": "ray", "actor": name, "namespace": ray.get_runtime_context().namespace,
+                    "address": ray.get_runtime_context().gcs_address, "auth_mode": os.environ.get("RAY_AUTH_MODE"),
+                    "registered": True, "overlap": bool(tandem.get("overlap", True)),
+                    "wait_s": float(tandem.get("wait_s", 0.2))}
+            await self.collective_rpc("tandem_configure", args=(spec,))
+        self.fix = (await self.collective_rpc("tandem_fix_state"))[0]
+        self.open_sessions = 0
+        self.proposer_rows = metrics.Counter(
+            "tandem_vllm_proposer_rows", "vLLM proposer rows by outcome: hits (a draft continued the committed "
+            "tokens), misses, drafted_rows, empty_rows (plain steps) and why (late, failed), drafter failures.",
+            ("model", "kind"))
+        self.proposer_rows.set_default_tags({"model": llm_config.model_id})
+        self._last_stats: dict[str, int] = {}
+        log.info("vLLM verifier replica: speculative %s, rejection-sampler fix %s", self.speculative,
+                 self.fix.get("state"))
+
+    async def generate_tokens(self, session: str, prompt_ids: list[int], params: dict):
+        """Yields {"token_ids": [...]} per engine step, then {"finish_reason": ...}; a request this
+        engine refuses yields one {"error": ...} instead."""
+        from vllm.inputs import TokensPrompt
+
+        sampling = SamplingParams.build(**params)
+        if self.speculative and not sampling.greedy and self.fix.get("state") not in ("applied", "not needed"):
+            yield {"error": {"message": f"sampled speculative decoding is refused on this vLLM ({self.fix}); use "
+                                        "temperature 0", "type": "invalid_request_error"}}
+            return
+        self.open_sessions += 1
+        started = None
+        if self.drafter is not None:  # the draft's prefill runs while the target prefills
+            started = self.drafter.start.remote(session, list(prompt_ids), sampling)
+        try:
+            finish, spec = None, None
+            async for out in self.engine._engine_client.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                                                  _vllm_params(sampling), request_id=session):
+                completion = out.outputs[0]
+                if completion.token_ids:
+                    yield {"token_ids": list(completion.token_ids)}
+                finish = completion.finish_reason or finish
+                spec = getattr(completion, "spec_decode_metrics", None) or spec
+            speculation = {}
+            if spec is not None:  # vLLM's per-request figures: steps by accepted draft tokens, drafts proposed
+                speculation = {"drafted": spec.num_draft_tokens,
+                               "accepted": sum(j * n for j, n in enumerate(spec.histogram))}
+            yield {"finish_reason": "stop" if finish == "stop" else "length", "speculation": speculation}
+        finally:
+            self.open_sessions -= 1
+            if started is not None:  # released after it started (a threaded actor may reorder the two calls)
+                try:
+                    await started
+                except Exception:  # noqa: BLE001 - a dead drafter holds nothing
+                    pass
+                self.drafter.release.remote(session)
+            await self._record_proposer()
+
+    async def _record_proposer(self) -> None:
+        if not self.speculative:
+            return
+        try:
+            stats = (await self.collective_rpc("tandem_stats"))[0]
+        except Exception:  # noqa: BLE001 - metrics must not fail a request
+            log.debug("tandem_stats", exc_info=True)
+            return
+        for kind in PROPOSER_KINDS:
+            delta = int(stats.get(kind, 0)) - self._last_stats.get(kind, 0)
+            if delta > 0:
+                self.proposer_rows.inc(delta, {"kind": kind})
+            self._last_stats[kind] = int(stats.get(kind, 0))
+
+    async def proposer_stats(self) -> dict:
+        return (await self.collective_rpc("tandem_stats"))[0] if self.speculative else {}
+
+    async def drafter_stats(self) -> dict:
+        return await self.drafter.stats.remote() if self.drafter is not None else {}
+
+    def sessions(self) -> int:
+        return self.open_sessions
+
+    async def check_health(self) -> None:
+        await super().check_health()
+        if self.drafter is not None:
+            await asyncio.wait_for(self.drafter.ready.remote(), 60)
+
+
+class VLLMRouterDeployment:
+    """The router for `engine.backend: vllm`: the same chunk protocol as `RouterDeployment.generate`
+    (the ingress and its failover are shared), generation by the vLLM verifier replicas."""
+
+    def __init__(self, config: dict, verifier_handle):
+        self.config = TandemAppConfig.build(config)
+        engine = self.config.engine
+        path = models.resolve_model_path(engine.target, engine.cache_dir)
+        self.tokenizer = models.load_tokenizer(path)
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(path)
+        self.max_context = min(self.config.vllm.max_model_len, model_config.max_position_embeddings)
+        self.vocab_size = model_config.vocab_size
+        self.verifier = verifier_handle
+        self.metrics = TandemMetrics(self.config.model_id)
+        self._active = 0
+
+    async def generate(self, prompt_ids: list[int], params: dict, max_speculative_tokens: int | None = None,
+                       resume: SessionProgress | None = None):
+        try:
+            sampling = SamplingParams.build(**params)
+            validate_request(prompt_ids, sampling, self.max_context, self.tokenizer, self.vocab_size)
+        except InvalidRequestError as e:
+            self.metrics.errors.inc(1, {"kind": "invalid_request"})
+            yield {"error": {"message": str(e), "type": "invalid_request_error"}}
+            return
+        resume = resume or SessionProgress()
+        output = list(resume.token_ids)
+        stats = SpeculationStats(**resume.stats) if resume.stats else SpeculationStats(num_prompt_tokens=len(prompt_ids))
+        remaining = sampling.max_tokens - len(output)
+        text = IncrementalText(self.tokenizer, sampling.stop, sent=resume.text)
+        session = f"tandem-{uuid.uuid4().hex}"
+        t_start = time.perf_counter()
+        first_token_s = None
+        finish = "length"
+        self._active += 1
+        stream = None
+        try:
+            if remaining > 0:
+                # a resumed session goes on from prompt + what was sent (sampling is keyed by position)
+                step = sampling.model_copy(update={"max_tokens": remaining})
+                stream = self.verifier.options(stream=True).generate_tokens.remote(
+                    session, list(prompt_ids) + output, step.model_dump())
+                async for chunk in stream:
+                    if "error" in chunk:
+                        self.metrics.errors.inc(1, {"kind": chunk["error"]["type"]})
+                        yield chunk
+                        return
+                    if "finish_reason" in chunk:
+                        finish = chunk["finish_reason"]
+                        spec = chunk.get("speculation") or {}
+                        stats.drafted += spec.get("drafted", 0)
+                        stats.accepted += spec.get("accepted", 0)
+                        continue
+                    if first_token_s is None:
+                        first_token_s = time.perf_counter() - t_start
+                    output.extend(chunk["token_ids"])
+                    stats.num_generated_tokens = len(output)
+                    yield {"token_ids": chunk["token_ids"], "text": text.update(output), "stats": asdict(stats)}
+            stream = None
+            stats.total_s += time.perf_counter() - t_start
+            stats.num_generated_tokens = len(output)
+            stats.rounds = max(0, len(output) - stats.accepted)  # a step commits its accepted drafts + 1
+            final_text = text.full(output)
+            decode_s = stats.total_s - (first_token_s or stats.total_s)
+            self.metrics.record_request(stats, finish, first_token_s,
+                                        decode_s / (len(output) - 1) if len(output) > 1 else None)
+            yield {"token_ids": [], "text": text.finish(final_text), "finish_reason": finish,
+                   "stats": {**asdict(stats), "acceptance_rate": stats.acceptance_rate,
+                             "mean_accepted_length": stats.mean_accepted_length},
+                   "prompt_tokens": len(prompt_ids), "completion_tokens": len(output)}
+        except Exception as e:  # reported to the caller as data; logged here
+            log.exception("request failed")
+            self.metrics.errors.inc(1, {"kind": "server_error"})
+            yield {"error": {"message": f"generation failed: {e!r}", "type": "server_error"}}
+        finally:
+            self._active -= 1
+            if stream is not None:  # the caller went away (or failed): vLLM aborts the request
+                stream.cancel()
+
+    def sessions(self) -> int:
+        return self._active
+
+    def check_health(self) -> None:
+        self.metrics.active_sessions.set(self._active)
+
+
+def build_vllm_app(config: TandemAppConfig):
+    """The application for `engine.backend: vllm`: ingress → router → vLLM verifier replicas."""
+    from ray import serve
+    from ray.serve.llm import build_llm_deployment
+
+    from deployments.builder import ingress_deployment, router_options
+
+    plain = config.model_dump(mode="json")
+    engine = config.engine.model_dump(mode="json")
+    engine.update(backend="torch")  # the drafter's own models run on tandem's runner
+    tandem = {"speculative": config.speculative, "engine": engine,
+              "drafter_placement": config.drafter.placement.model_dump(mode="json"),
+              "overlap": config.vllm.overlap, "wait_s": config.vllm.wait_s}
+    verifier = build_llm_deployment(llm_config(config), name_prefix="Verifier:", deployment_cls=TandemLLMServer,
+                                    bind_kwargs={"tandem": tandem})
+    router = serve.deployment(VLLMRouterDeployment).options(**router_options(config)).bind(plain, verifier)
+    return ingress_deployment(config, plain, router)

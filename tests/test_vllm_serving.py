@@ -1,0 +1,217 @@
+"""Serving on vLLM (`engine.backend: vllm`): the same OpenAI HTTP and gRPC APIs, with the target on
+vLLM verifier replicas (Ray Serve LLM's LLMServer) and tandem's drafter proposing through vLLM's
+custom proposer. Greedy output equals transformers' fp32 greedy; bad input gets the torch path's 4xx;
+drafter sessions are registered and released by the front door; a killed drafter costs speed, not
+tokens; the proposer's counters reach Prometheus.
+
+Runs when vLLM is importable (CI installs it); one application for the module (~50 s to start).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+import ray
+
+pytest.importorskip("vllm")  # the only skip: this module needs vLLM installed
+
+from cluster.errors import ConfigError  # noqa: E402
+from deployments.config import TandemAppConfig  # noqa: E402
+from protos import pb, rpc  # noqa: E402
+from tests.helpers import SERVE_PROMPTS, serve_app  # noqa: E402
+from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "test-key"
+MAX_TOKENS = 24
+PROMPTS = SERVE_PROMPTS
+METADATA = (("application", "tandem"),)
+VERIFIER = f"Verifier:{MODEL}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_app(engine={"backend": "vllm", "dtype": "float32", "proposer": "draft", "draft": "int8",
+                           "num_speculative_tokens": 3, "threads": 1},
+                   api_keys=[API_KEY], vllm={"kv_cache_space_gib": 1, "wait_s": 0.5}) as endpoints:
+        yield endpoints
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def _verifier():
+    from ray import serve
+
+    return serve.get_deployment_handle(VERIFIER, "tandem")
+
+
+def _ref(references, prompt_ids, i):
+    return references[tuple(prompt_ids[i])]
+
+
+def test_feature_draft_refused_for_vllm():
+    with pytest.raises(ConfigError, match="feature-fed draft"):
+        TandemAppConfig.build({"engine": {"backend": "vllm", "draft": "feature"}})
+
+
+def test_greedy_equals_transformers_with_speculation_figures(client, tokenizer, prompt_ids, references):
+    for i, (text, chat) in enumerate(PROMPTS):
+        ref = _ref(references, prompt_ids, i)
+        if chat:
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                                    max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True},
+                                                    extra_body={"return_token_ids": True})
+            ids, pieces, usage = [], [], None
+            for chunk in stream:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    ids += choice.model_extra.get("token_ids") or []
+                    pieces.append(choice.delta.content or "")
+            assert ids == ref, (text, ids, ref)
+            assert "".join(pieces) == tokenizer.decode(ref, skip_special_tokens=True)
+            assert usage.completion_tokens == len(ref) and usage.prompt_tokens == len(prompt_ids[i])
+        else:
+            r = client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"return_token_ids": True})
+            assert r.choices[0].model_extra["token_ids"] == ref, text
+            assert r.choices[0].text == tokenizer.decode(ref, skip_special_tokens=True)
+            spec = r.model_extra["speculation"]  # vLLM's per-request figures for tandem's drafts
+            assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+    stats = _verifier().proposer_stats.remote().result()
+    assert stats["drafter"] == "ray" and stats["hits"] > 0 and stats.get("drafter_failures", 0) == 0
+
+
+def test_stop_strings_and_grpc(server, client, tokenizer, prompt_ids, references):
+    ref_text = tokenizer.decode(_ref(references, prompt_ids, 0), skip_special_tokens=True)
+    stop = "recursive"
+    assert stop in ref_text
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
+                                      stop=[stop], stream=stream)
+        text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
+        assert text == ref_text[: ref_text.index(stop)]
+    stub = rpc.GenerationStub(grpc.insecure_channel(server.grpc))
+    request = pb.GenerateRequest(model=MODEL, prompt=PROMPTS[1][0], params=pb.SamplingParams(max_tokens=MAX_TOKENS))
+    responses = list(stub.Generate(request, metadata=METADATA, timeout=300))
+    assert [t for r in responses for t in r.token_ids] == _ref(references, prompt_ids, 1)
+    assert responses[-1].stats.drafted > 0
+
+
+# the torch path's table of malformed requests (tests/test_bad_input.py), a few of each kind
+HTTP_SAMPLE = [c for c in HTTP_CASES if c[0] in ("deep-array", "surrogate-prompt", "surrogate-content", "surrogate-stop")]
+GRPC_SAMPLE = [c for c in GRPC_CASES if c[0] in ("corrupt-bytes", "empty-prompt", "role-wizard", "temperature-nan",
+                                                 "max-tokens-over-context", "stop-17", "model-unknown")]
+
+
+@pytest.mark.parametrize("path,body,headers,status,needle", [c[1:] for c in HTTP_SAMPLE],
+                         ids=[c[0] for c in HTTP_SAMPLE])
+def test_malformed_http_request_as_on_torch(server, path, body, headers, status, needle):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.http + path, content=content, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **headers})
+    _assert_openai_error(r, status, needle)
+
+
+@pytest.mark.parametrize("request_,needle", [c[1:] for c in GRPC_SAMPLE], ids=[c[0] for c in GRPC_SAMPLE])
+def test_malformed_grpc_request_as_on_torch(server, request_, needle):
+    channel = grpc.insecure_channel(server.grpc)
+    call = channel.unary_stream("/tandem.v1.Generation/Generate", response_deserializer=pb.GenerateResponse.FromString,
+                                request_serializer=(lambda b: b) if isinstance(request_, bytes) else
+                                pb.GenerateRequest.SerializeToString)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(request_, metadata=METADATA, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert needle in info.value.details()
+
+
+def test_prompt_past_vllms_context_is_refused(server, client):
+    """vLLM's max_model_len (2048 here) is shorter than the model's 8192: the router refuses with 400."""
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=MODEL, prompt="hello " * 2100, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_sampled_speculation(client):
+    """Sampled decoding through speculation runs (the CPU rejection-sampler fix is applied in the
+    replica's workers; its distribution test is in test_vllm.py)."""
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=32, temperature=0.8,
+                                  seed=7, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 32 and r.model_extra["speculation"]["drafted"] > 0
+    fix = _verifier().proposer_stats.remote().result()["fix"]
+    assert fix["state"] == "applied"
+
+
+def test_sessions_released_on_finish_and_disconnect(server):
+    body = {"model": MODEL, "prompt": "Count from one to a thousand: one, two,", "max_tokens": 1500,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        assert _verifier().sessions.remote().result() == 1
+        assert _verifier().drafter_stats.remote().result()["sessions"] == 1
+    deadline = time.time() + 60
+    while time.time() < deadline and (_verifier().sessions.remote().result()
+                                      or _verifier().drafter_stats.remote().result()["sessions"]):
+        time.sleep(0.5)
+    assert _verifier().sessions.remote().result() == 0  # vLLM aborted the request
+    drafter = _verifier().drafter_stats.remote().result()
+    assert drafter["sessions"] == 0, drafter  # and the drafter let its session go
+
+
+def test_killed_drafter_costs_speed_not_tokens(client, prompt_ids, references):
+    """The drafter dies mid-request: the request ends with the same tokens (plain steps), counted;
+    the restarted drafter drafts for the next requests."""
+    before = _verifier().proposer_stats.remote().result()
+    drafter = next(ray.get_actor(a["name"], namespace=a["namespace"])
+                   for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith("tandem-vllm-drafter-"))
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[2][0], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, extra_body={"return_token_ids": True})
+    ids, killed = [], False
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids += choice.model_extra.get("token_ids") or []
+        if ids and not killed:
+            ray.kill(drafter, no_restart=False)
+            killed = True
+    assert killed and ids == _ref(references, prompt_ids, 2)
+    after = _verifier().proposer_stats.remote().result()
+    assert after.get("drafter_failures", 0) > before.get("drafter_failures", 0)
+    deadline = time.time() + 120
+    drafted = 0
+    while time.time() < deadline and not drafted:  # the restarted drafter is back
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == _ref(references, prompt_ids, 0)
+        drafted = r.model_extra["speculation"]["drafted"]
+    assert drafted > 0
+
+
+def test_proposer_counters_in_prometheus(client):
+    node = ray._private.worker.global_worker.node
+    url = f"http://127.0.0.1:{node.metrics_export_port}/metrics"
+    wanted = 'ray_tandem_vllm_proposer_rows_total{'
+    deadline, lines = time.time() + 90, []
+    while time.time() < deadline:
+        text = httpx.get(url, timeout=10).text
+        lines = [line for line in text.splitlines() if line.startswith(wanted) and 'kind="hits"' in line]
+        if lines:
+            break
+        time.sleep(2)
+    assert lines and float(lines[0].rsplit(" ", 1)[1]) > 0
+    requests = [line for line in text.splitlines() if line.startswith("ray_tandem_requests_total{")]
+    assert requests

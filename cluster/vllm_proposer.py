@@ -186,6 +186,8 @@ class LocalDraftClient(DraftClient):
         self._queue.put(None)
 
     def _loop(self) -> None:
+        from cluster.messages import apply_sync
+
         while True:
             items = [self._queue.get()]
             while True:
@@ -205,9 +207,7 @@ class LocalDraftClient(DraftClient):
                         if session in proposes:  # keep per-session order: draft what is queued first
                             self._draft(proposes)
                             proposes = {}
-                        for s in sync:
-                            if s.rollback:
-                                self.proposer.rollback(session, s.length, s.token_ids)
+                        apply_sync(self.proposer, session, sync)  # rollback, then learn
                         proposes[session] = (k, future)
                     elif op[0] == "start":
                         if proposes:
@@ -460,6 +460,8 @@ class _Session:
     known: list[int] | None = None  # the drafter's whole sequence, when no draft is pending
     submitted_at: float = 0.0
     failed: bool = False
+    given: int = 0  # draft tokens handed to vLLM at the last step (its verdict arrives with the next)
+    feedback: object = None  # a SyncOp teaching the drafter that verdict, sent with its next call
 
 
 class TandemProposer:
@@ -584,8 +586,11 @@ class TandemProposer:
         elif s.failed:
             self.stats["empty_failed"] += 1
             return []
-        elif s.pending is None:  # without overlap: roll back to the history and draft now
-            self._resync(rid, s, history, s.known or [])
+        else:
+            s.feedback = self._feedback(s, num_new) or s.feedback
+            if s.pending is None:  # without overlap: roll back to the history and draft now
+                self._resync(rid, s, history, s.known or [])
+        s.given = 0
         if not self._wait(rid, s):
             return []
         drafted = s.base + s.pending.result()
@@ -594,7 +599,8 @@ class TandemProposer:
             draft = drafted[len(history): len(history) + k]
             self.stats["hits"] += 1
             if self.overlap:  # keep drafting as if this draft will be accepted
-                self._submit(s, self.client.propose(rid, k + 1), drafted)
+                self._submit(s, self.client.propose(rid, k + 1, self._take_feedback(s)), drafted)
+            s.given = len(draft)
             return draft
         # a miss: the drafter's sequence left the committed history
         self.stats["misses"] += 1
@@ -606,7 +612,27 @@ class TandemProposer:
             return []
         drafted = s.base + s.pending.result()
         s.pending, s.known = None, drafted
-        return drafted[len(history): len(history) + k]
+        draft = drafted[len(history): len(history) + k]
+        s.given = len(draft)
+        return draft
+
+    def _feedback(self, s: _Session, num_new: int):
+        """What vLLM made of the draft handed over at the last step: num_new committed tokens are its
+        accepted drafts plus one (the bonus or recovered token). None when no draft was handed over."""
+        from cluster.messages import SyncOp
+
+        if not s.given:
+            return None
+        accepted = max(0, min(s.given, num_new - 1))
+        self.stats["verdict_drafted"] += s.given
+        self.stats["verdict_accepted"] += accepted
+        return SyncOp(num_drafted=s.given, num_accepted=accepted)
+
+    @staticmethod
+    def _take_feedback(s: _Session) -> list:
+        ops = [s.feedback] if s.feedback is not None else []
+        s.feedback = None
+        return ops
 
     def _resync(self, rid: str, s: _Session, history: list[int], drafter_seq: list[int]) -> None:
         """Roll the drafter back to the committed history (keep the common prefix) and redraft."""
@@ -617,7 +643,7 @@ class TandemProposer:
             if a != b:
                 break
             common += 1
-        sync = [SyncOp(length=common, token_ids=history[common:])]
+        sync = self._take_feedback(s) + [SyncOp(length=common, token_ids=history[common:])]
         self.stats["rollbacks"] += 1
         self._submit(s, self.client.propose(rid, self.max_k + 1 if self.overlap else self.max_k, sync), history)
 

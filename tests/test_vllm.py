@@ -175,6 +175,8 @@ def test_always_right_proposer(spec, prompts, reference, overlap):
     assert counters["draft_tokens"] > 0 and counters["accepted_tokens"] == counters["draft_tokens"]
     # nearly every step drafted 4 tokens, all accepted: steps ≈ tokens / 5
     assert stats["drafted_rows"] <= sum(len(r) for r in reference.values()) // 4
+    # the drafter is told vLLM's verdicts (each request's last one never arrives: no next step)
+    assert 0 < stats["verdict_drafted"] == stats["verdict_accepted"] <= counters["accepted_tokens"]
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
@@ -185,6 +187,7 @@ def test_always_wrong_proposer(spec, prompts, reference, gamma):
     assert outputs == reference
     assert counters["draft_tokens"] >= sum(len(r) for r in reference.values()) - 2 * len(prompts)
     assert counters["accepted_tokens"] == 0
+    assert stats["verdict_drafted"] > 0 and stats["verdict_accepted"] == 0  # verdicts reach the drafter
 
 
 def test_failing_drafter_falls_back_to_plain_decoding(spec, prompts, reference):

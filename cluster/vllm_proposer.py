@@ -453,6 +453,18 @@ def make_client(spec: dict) -> DraftClient | None:
 _TUNING = ("max_k", "overlap", "wait_s")
 
 
+def request_id(session: str, max_speculative_tokens: int | None) -> str:
+    """vLLM's request id for a session the front door registers: the session id, with the request's
+    own cap on draft tokens appended (`~k<n>`; 0 = plain decoding) when it has one."""
+    return session if max_speculative_tokens is None else f"{session}~k{int(max_speculative_tokens)}"
+
+
+def request_cap(key: str) -> int | None:
+    """The draft-token cap `request_id` put into a request id, None when there is none."""
+    head, sep, tail = key.rpartition("~k")
+    return int(tail) if sep and head and tail.isdigit() else None
+
+
 @dataclass
 class _Session:
     pending: Future | None = None  # drafts continuing `base`
@@ -548,7 +560,15 @@ class TandemProposer:
                 continue
             self.stats["rows"] += 1
             history = token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist()
-            draft = self._row(self._key(req_ids[i]), history, len(sampled_token_ids[i]))
+            key = self._key(req_ids[i])
+            cap = request_cap(key)
+            if cap == 0:  # this request asked for plain decoding
+                self.stats["plain_rows"] += 1
+                out.append([])
+                continue
+            draft = self._row(key, history, len(sampled_token_ids[i]))
+            if cap is not None:
+                draft = draft[:cap]
             if draft:
                 self.stats["drafted_rows"] += 1
                 self.stats["drafted_tokens"] += len(draft)

@@ -72,11 +72,13 @@ def ensure_guidellm() -> None:
     subprocess.run([str(GUIDELLM_VENV / "bin" / "pip"), "install", "guidellm==0.8.1"], check=True)
 
 
-def write_config(out: Path, mode: str) -> Path:
+def write_config(out: Path, mode: str, engine: str | None = None) -> Path:
     raw = yaml.safe_load((ROOT / "ray_config.yaml").read_text())
-    if mode == "plain":
-        for app in raw["applications"]:
+    for app in raw["applications"]:
+        if mode == "plain":
             app["args"]["engine"]["num_speculative_tokens"] = 0
+        if engine:
+            app["args"]["engine"]["backend"] = engine
     path = out / f"ray_config.{mode}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -468,6 +470,10 @@ def main() -> int:
     ap.add_argument("--disconnect-seconds", type=float, default=120, help="0: no disconnect run")
     ap.add_argument("--modes", default="speculative,plain")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", choices=["torch", "vllm"],
+                    help="engine.backend of both servers (default: ray_config.yaml's); with vllm, plain is vLLM "
+                         "alone and speculative is vLLM with tandem's drafter (use --disconnect-seconds 0: the "
+                         "leak check asks the torch pools)")
     args = ap.parse_args()
 
     out = Path(args.out).resolve()
@@ -476,7 +482,7 @@ def main() -> int:
     summary: dict = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args),
                      "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
     for mode in args.modes.split(","):
-        server = Server(write_config(out, mode), out, mode)
+        server = Server(write_config(out, mode, args.engine), out, mode)
         try:
             server.start()
             import httpx  # one warm-up request: the first one compiles/allocates

@@ -133,10 +133,14 @@ class TandemLLMServer(_server_base()):
         log.info("vLLM verifier replica: speculative %s, rejection-sampler fix %s", self.speculative,
                  self.fix.get("state"))
 
-    async def generate_tokens(self, session: str, prompt_ids: list[int], params: dict):
+    async def generate_tokens(self, session: str, prompt_ids: list[int], params: dict,
+                              max_speculative_tokens: int | None = None):
         """Yields {"token_ids": [...]} per engine step, then {"finish_reason": ...}; a request this
-        engine refuses yields one {"error": ...} instead."""
+        engine refuses yields one {"error": ...} instead. `max_speculative_tokens` caps this request's
+        drafts (0: plain decoding, no drafter session)."""
         from vllm.inputs import TokensPrompt
+
+        from cluster.vllm_proposer import request_id
 
         sampling = SamplingParams.build(**params)
         if self.speculative and not sampling.greedy and self.fix.get("state") not in ("applied", "not needed"):
@@ -145,7 +149,8 @@ class TandemLLMServer(_server_base()):
             return
         self.open_sessions += 1
         started = None
-        if self.drafter is not None:  # the draft's prefill runs while the target prefills
+        session = request_id(session, max_speculative_tokens)  # vLLM's request id and the drafter's session
+        if self.drafter is not None and max_speculative_tokens != 0:  # the draft's prefill runs while the target's does
             started = self.drafter.start.remote(session, list(prompt_ids), sampling)
         try:
             finish, spec = None, None
@@ -243,7 +248,7 @@ class VLLMRouterDeployment:
                 # a resumed session goes on from prompt + what was sent (sampling is keyed by position)
                 step = sampling.model_copy(update={"max_tokens": remaining})
                 stream = self.verifier.options(stream=True).generate_tokens.remote(
-                    session, list(prompt_ids) + output, step.model_dump())
+                    session, list(prompt_ids) + output, step.model_dump(), max_speculative_tokens)
                 async for chunk in stream:
                     if "error" in chunk:
                         self.metrics.errors.inc(1, {"kind": chunk["error"]["type"]})

@@ -57,6 +57,14 @@ def _ref(references, prompt_ids, i):
     return references[tuple(prompt_ids[i])]
 
 
+def test_request_ids_carry_the_per_request_cap():
+    from cluster.vllm_proposer import request_cap, request_id
+
+    assert request_id("tandem-ab12", None) == "tandem-ab12" and request_cap("tandem-ab12") is None
+    assert request_cap(request_id("tandem-ab12", 0)) == 0 and request_cap(request_id("s~kx", 2)) == 2
+    assert request_cap("~k3") is None  # no session before the cap
+
+
 def test_feature_draft_refused_for_vllm():
     with pytest.raises(ConfigError, match="feature-fed draft"):
         TandemAppConfig.build({"engine": {"backend": "vllm", "draft": "feature"}})
@@ -88,6 +96,24 @@ def test_greedy_equals_transformers_with_speculation_figures(client, tokenizer, 
             assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
     stats = _verifier().proposer_stats.remote().result()
     assert stats["drafter"] == "ray" and stats["hits"] > 0 and stats.get("drafter_failures", 0) == 0
+
+
+def test_per_request_plain_decoding_and_cap(client, prompt_ids, references):
+    """`num_speculative_tokens` per request: 0 is plain decoding (no drafts, no drafter session), 1
+    caps each draft at one token; the tokens are the same."""
+    ref = _ref(references, prompt_ids, 1)
+    before = _verifier().proposer_stats.remote().result()
+    for cap in (0, 1):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[1][0], max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"num_speculative_tokens": cap, "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == ref
+        spec = r.model_extra["speculation"]
+        if cap == 0:
+            assert spec["drafted"] == 0
+        else:
+            assert 0 < spec["drafted"] <= len(ref)  # at most one draft token per step
+    after = _verifier().proposer_stats.remote().result()
+    assert after["plain_rows"] - before.get("plain_rows", 0) >= len(ref) - 1
 
 
 def test_stop_strings_and_grpc(server, client, tokenizer, prompt_ids, references):

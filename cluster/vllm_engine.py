@@ -287,10 +287,17 @@ def build_vllm_decoder(config, distributed: bool = False, **engine_kwargs) -> VL
 # -- `tandem bench --engine vllm` ----------------------------------------------------------------------------
 
 
+DRAFTER_MODES = {"overlap": {"overlap": True, "on_miss": "plain"},  # a miss: one plain step
+                 "overlap_wait": {"overlap": True, "on_miss": "wait"},  # a miss: wait for the redraft
+                 "sync": {"overlap": False}}  # every step drafts on demand
+
+
 def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: int = 3, dtype: str = "float32",
-                   cache_dir: str | None = None, concurrency: int = 1, overlap_modes: Sequence[bool] = (True, False),
+                   cache_dir: str | None = None, concurrency: int = 1,
+                   drafter_modes: Sequence[str] = ("overlap", "overlap_wait", "sync"),
                    draft: str = "int8") -> dict:
-    """vLLM target-only vs vLLM + tandem's drafter (overlapped, and synchronous) vs vLLM's own ngram, on
+    """vLLM target-only vs vLLM + tandem's drafter (overlapped with a plain step on a miss, overlapped
+    waiting for the redraft on a miss, and synchronous) vs vLLM's own ngram, on
     the same prompts, greedy. `concurrency` prompts are submitted together (1: one at a time). One engine
     per method; the tandem engine is reconfigured between drafter modes."""
     from cluster.engine import EngineConfig, encode_prompt
@@ -344,10 +351,10 @@ def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamm
             elif method == "ngram":
                 run(engine, "vllm_ngram")
             else:
-                for overlap in overlap_modes:
+                for mode in drafter_modes:
                     spec = drafter_spec(engine_config)
-                    engine.configure({**spec, "overlap": overlap, "wait_s": 0.5})
-                    run(engine, f"vllm_tandem_{draft}_{'overlap' if overlap else 'sync'}")
+                    engine.configure({**spec, **DRAFTER_MODES[mode], "wait_s": 0.5})
+                    run(engine, f"vllm_tandem_{draft}_{mode}")
         finally:
             engine.shutdown()
     for name, entry in report["workloads"].items():

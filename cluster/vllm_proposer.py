@@ -450,7 +450,7 @@ def make_client(spec: dict) -> DraftClient | None:
 # -- the proposer vLLM calls ------------------------------------------------------------------------
 
 
-_TUNING = ("max_k", "overlap", "wait_s")
+_TUNING = ("max_k", "overlap", "wait_s", "on_miss")
 
 
 def request_id(session: str, max_speculative_tokens: int | None) -> str:
@@ -488,6 +488,7 @@ class TandemProposer:
         self.max_k = self.k
         self.overlap = True
         self.wait_s = 0.2
+        self.on_miss = "plain"  # overlapped, a missed draft means: "plain" one plain step, "wait" wait for the redraft
         self.registered = False  # sessions opened and released by the front door, keyed by request id
         self._deadline = 0.0
         self.sessions: dict[str, _Session] = {}
@@ -515,6 +516,9 @@ class TandemProposer:
         self.max_k = min(self.k, int(spec.get("max_k", self.k)))
         self.overlap = bool(spec.get("overlap", True))
         self.wait_s = float(spec.get("wait_s", 0.2))
+        self.on_miss = spec.get("on_miss", "plain")
+        if self.on_miss not in ("plain", "wait"):
+            raise ValueError(f"on_miss must be 'plain' or 'wait', not {self.on_miss!r}")
         self.registered = bool(spec.get("registered", False))
         self.stats = Counter()
         if not keep:
@@ -625,7 +629,7 @@ class TandemProposer:
         # a miss: the drafter's sequence left the committed history
         self.stats["misses"] += 1
         self._resync(rid, s, history, drafted)
-        if self.overlap:
+        if self.overlap and self.on_miss == "plain":
             self.stats["empty_miss"] += 1
             return []  # one plain step while the drafter redrafts
         if not self._wait(rid, s):
@@ -634,6 +638,8 @@ class TandemProposer:
         s.pending, s.known = None, drafted
         draft = drafted[len(history): len(history) + k]
         s.given = len(draft)
+        if self.overlap:  # the redraft was waited for (on_miss "wait"): draft on beyond it
+            self._submit(s, self.client.propose(rid, k + 1), drafted)
         return draft
 
     def _feedback(self, s: _Session, num_new: int):

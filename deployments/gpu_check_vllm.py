@@ -13,7 +13,7 @@ target's own weights in fp16 (a placeholder that measures plumbing and overlap, 
 (`--draft` a tandem draft directory or HF model directory sharing the tokenizer, loaded on the same
 GPU by tandem's torch runner in the vLLM worker process, with the rest of the memory). Then:
 
-1. greedy equality: vLLM + tandem drafter (overlapped, and synchronous) vs vLLM target-only, on code
+1. greedy equality: vLLM + tandem drafter (overlapped with a plain step or a wait on a miss, and synchronous) vs vLLM target-only, on code
    and chat prompts; every output must be token-identical;
 2. tokens/s of each mode, and vLLM's own ngram method, side by side (one prompt at a time and all at
    once);
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster import models
     from cluster.engine import encode_prompt
     from cluster.sampling import SamplingParams
-    from cluster.vllm_engine import VLLMEngine
+    from cluster.vllm_engine import DRAFTER_MODES, VLLMEngine
     from cluster.workloads import workload
 
     started = time.perf_counter()
@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = VLLMEngine(path, dtype=args.dtype, method="tandem", num_speculative_tokens=args.gamma,
                       llm_kwargs=llm_kwargs)
     try:
-        for overlap in (True, False):
-            spec.configure({**drafter, "overlap": overlap, "wait_s": 0.5})
-            mode = f"vllm_tandem_{'overlap' if overlap else 'sync'}"
+        for name, tuning in DRAFTER_MODES.items():  # overlapped (a miss: plain step / wait), synchronous
+            spec.configure({**drafter, **tuning, "wait_s": 0.5})
+            mode = f"vllm_tandem_{name}"
             outputs[mode] = timed(spec, mode)
     finally:
         spec.shutdown()

@@ -167,6 +167,15 @@ def test_int8_drafter_greedy_equals_target_only(spec, prompts, reference, gamma,
         assert stats.get("empty_miss", 0) == 0
 
 
+def test_overlap_waiting_for_the_redraft_on_a_miss(spec, prompts, reference):
+    """on_miss "wait": a missed overlapped draft is redrafted and handed over in the same step (no plain step)."""
+    outputs, counters, stats = _run(spec, prompts, INT8, max_k=4, overlap=True, on_miss="wait")
+    assert outputs == reference
+    assert stats["misses"] > 0 and stats.get("empty_miss", 0) == 0 and stats["hits"] > 0
+    assert stats["empty_rows"] == stats.get("empty_late", 0)  # no row went without a draft but a late one
+    assert 0 < counters["accepted_tokens"] < counters["draft_tokens"]
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_always_right_proposer(spec, prompts, reference, overlap):
     outputs, counters, stats = _run(spec, prompts, _replay(reference, prompts, False, spec.vocab_size),

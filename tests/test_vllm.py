@@ -172,7 +172,7 @@ def test_overlap_waiting_for_the_redraft_on_a_miss(spec, prompts, reference):
     outputs, counters, stats = _run(spec, prompts, INT8, max_k=4, overlap=True, on_miss="wait")
     assert outputs == reference
     assert stats["misses"] > 0 and stats.get("empty_miss", 0) == 0 and stats["hits"] > 0
-    assert stats["empty_rows"] == stats.get("empty_late", 0)  # no row went without a draft but a late one
+    assert stats.get("empty_rows", 0) == stats.get("empty_late", 0)  # no row went without a draft but a late one
     assert 0 < counters["accepted_tokens"] < counters["draft_tokens"]
 
 

@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench.add_argument("--distributed", action="store_true",
                        help="target-only vs sequential vs pipelined through Ray + gRPC (workload humaneval unless set)")
-    bench.add_argument("--proposer", default="draft", help="with --distributed: draft | ngram | hybrid")
+    bench.add_argument("--proposer", default="draft",
+                       help="with --distributed or --engine vllm: draft | ngram | hybrid (tandem's drafter)")
     bench.add_argument("--modes", default="",
                        help="with --distributed: optional modes besides target_only, sequential, pipelined and "
                             "pipelined_no_fill, comma-separated (sequential_tree, continuous, continuous_depth2; "
@@ -66,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="drive a running server (e.g. http://127.0.0.1:8000): speculative vs plain, side by side")
     bench.add_argument("--api-key", help="with --endpoint: Bearer key")
     bench.add_argument("--engine", choices=["torch", "vllm"], default="torch",
-                       help="vllm: vLLM target-only vs vLLM + tandem's drafter (overlapped and synchronous) vs "
+                       help="vllm: vLLM target-only vs vLLM + tandem's drafter (overlapped: a miss costs a plain "
+                            "step or waits for the redraft; synchronous) vs "
                             "vLLM's ngram, side by side (needs .[vllm]; --dtype float32 for exact greedy equality)")
 
     drafts_p = sub.add_parser("drafts", help="make and check drafts for a target")
@@ -364,7 +366,7 @@ def _bench(args) -> int:
         from cluster.vllm_engine import format_vllm_bench, run_vllm_bench, strip_outputs
 
         report = run_vllm_bench(workloads, args.prompts, args.max_tokens, args.num_speculative_tokens, args.dtype,
-                                args.cache_dir)
+                                args.cache_dir, proposer=args.proposer)
         print(format_vllm_bench(report))
         if args.json:
             write_json(strip_outputs(report), args.json)

@@ -295,7 +295,7 @@ DRAFTER_MODES = {"overlap": {"overlap": True, "on_miss": "plain"},  # a miss: on
 def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: int = 3, dtype: str = "float32",
                    cache_dir: str | None = None, concurrency: int = 1,
                    drafter_modes: Sequence[str] = ("overlap", "overlap_wait", "sync"),
-                   draft: str = "int8") -> dict:
+                   draft: str = "int8", proposer: str = "draft") -> dict:
     """vLLM target-only vs vLLM + tandem's drafter (overlapped with a plain step on a miss, overlapped
     waiting for the redraft on a miss, and synchronous) vs vLLM's own ngram, on
     the same prompts, greedy. `concurrency` prompts are submitted together (1: one at a time). One engine
@@ -310,10 +310,11 @@ def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamm
     for name in workloads:
         texts, chat = workload(name, num_prompts)
         prompts_by_workload[name] = [encode_prompt(tokenizer, t, chat) for t in texts]
-    engine_config = EngineConfig.build(target=str(path), draft=draft, num_speculative_tokens=gamma, dtype=dtype)
+    engine_config = EngineConfig.build(target=str(path), proposer=proposer, draft=draft, num_speculative_tokens=gamma,
+                                       dtype=dtype)
     report: dict = {"config": {"engine": "vllm", "dtype": dtype, "num_speculative_tokens": gamma,
                                "max_tokens": max_tokens, "prompts": num_prompts, "concurrency": concurrency,
-                               "draft": draft, "cpus": os.cpu_count()},
+                               "draft": draft, "proposer": proposer, "cpus": os.cpu_count()},
                     "workloads": {name: {"prompts": len(p)} for name, p in prompts_by_workload.items()}}
 
     def run(engine: VLLMEngine, mode: str) -> None:
@@ -354,7 +355,7 @@ def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamm
                 for mode in drafter_modes:
                     spec = drafter_spec(engine_config)
                     engine.configure({**spec, **DRAFTER_MODES[mode], "wait_s": 0.5})
-                    run(engine, f"vllm_tandem_{draft}_{mode}")
+                    run(engine, f"vllm_tandem_{proposer if proposer != 'draft' else draft}_{mode}")
         finally:
             engine.shutdown()
     for name, entry in report["workloads"].items():
@@ -369,7 +370,8 @@ def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamm
 def format_vllm_bench(report: dict) -> str:
     cfg = report["config"]
     lines = [f"engine=vllm dtype={cfg['dtype']} γ={cfg['num_speculative_tokens']} max_tokens={cfg['max_tokens']} "
-             f"prompts={cfg['prompts']} concurrency={cfg['concurrency']} draft={cfg['draft']} cpus={cfg['cpus']}"]
+             f"prompts={cfg['prompts']} concurrency={cfg['concurrency']} proposer={cfg.get('proposer', 'draft')} "
+             f"draft={cfg['draft']} cpus={cfg['cpus']}"]
     for name, entry in report["workloads"].items():
         lines.append(f"\n## {name} ({entry['prompts']} prompts, greedy)\n")
         lines.append("| mode | tokens/s | speedup | accept rate | mean acc. len | hits / misses / [] rows | diverged |")

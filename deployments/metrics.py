@@ -86,3 +86,13 @@ class TandemMetrics:
                              ("drafter_fallbacks", self.fallbacks)):
             if delta.get(name):
                 metric.inc(delta[name])
+
+
+def orphaned_sessions_counter(model_id: str, pool: str) -> metrics.Counter:
+    """Sessions a pool replica (`pool`: "verifier" or "drafter") released because the router replica that
+    held their leases died (`deployments.pools`)."""
+    counter = metrics.Counter("tandem_orphaned_sessions_released",
+                              "Sessions a pool replica released because the router replica holding them died.",
+                              ("model", "pool"))
+    counter.set_default_tags({"model": model_id, "pool": pool})
+    return counter

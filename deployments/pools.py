@@ -9,6 +9,11 @@ and autoscaling on `target_ongoing_requests` scales each pool on sessions per re
 ones). Drafting and verifying then go straight to the replica (gRPC stream, actor calls), not
 through Serve's request path; verifier calls carry the cluster secret, which routers read from Ray
 (never from the lease).
+
+Each lease names its *holder*, the router replica's actor (`_lease_holder`). A pool replica checks
+every `HOLDER_CHECK_PERIOD_S` whether each holder is still alive (`_Leases`); the sessions of one
+that died (a killed router replica) are released there (the verifier's KV, the drafter's session)
+and their leases end, so nothing waits for the pool replica to restart.
 """
 
 from __future__ import annotations
@@ -17,36 +22,155 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import ray
 from ray import serve
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.errors import TandemError
+from cluster.models import DEFAULT_MODEL_NAME
 from cluster.verifier_pool import VerifierLease, VerifierReplicaHandle
 from cluster.runtime import VerifierRank, free_port
 from cluster.transport import Endpoint
+from deployments.metrics import orphaned_sessions_counter
 
 log = logging.getLogger(__name__)
 
 
-async def _hold(cancelled: asyncio.Event) -> None:
-    await cancelled.wait()
+HOLDER_CHECK_PERIOD_S = 5.0  # how often a pool replica checks that the holders of its leases are alive
+
+Holder = tuple[str, str]  # (namespace, name) of the actor holding a lease: a router replica
+SERVE_NAMESPACE = "serve"  # where Serve names its replicas (ray.serve._private.constants.SERVE_NAMESPACE)
+
+
+def _actor_alive(holder: Holder) -> bool:
+    """Whether the named actor is alive. A router replica is a named Serve actor that Serve never restarts
+    (`max_restarts=0`) nor names again (a new replica gets a new id): once the name is gone, so is it."""
+    namespace, name = holder
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:  # "Failed to look up actor": it died (its name went with it)
+        return False
+    return True
+
+
+def _lease_holder() -> Holder | None:
+    """(namespace, name) of the calling actor, sent with each lease for the pools to watch; None outside a
+    named actor (e.g. a driver): such leases are not watched. Serve names its replicas in its own
+    namespace, not in their job's (`get_runtime_context().namespace`): the name is looked up once here,
+    where the pools will look, so that a holder is never taken for dead because it was sought elsewhere."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return None
+    name = context.get_actor_name()
+    if not name:
+        return None
+    for namespace in dict.fromkeys((SERVE_NAMESPACE, context.namespace)):
+        if _actor_alive((namespace, name)):  # this very actor: found where the pools will look
+            return namespace, name
+    log.warning("actor %s is not found by its name: the pools will not watch its leases", name)
+    return None
+
+
+def _model_tag(engine_config: dict) -> str:
+    target = engine_config.get("target") or "default"
+    return DEFAULT_MODEL_NAME if target == "default" else Path(str(target)).name
 
 
 class _Leases:
-    """Open leases of one pool replica (Serve's ongoing requests on it), for leak checks."""
+    """Open leases of one pool replica (Serve's ongoing requests on it), by holder.
 
-    def __init__(self) -> None:
+    A lease with a holder (a router replica's actor) is watched: one asyncio task, running while any
+    such lease is open, checks every `period_s` whether each distinct holder is `alive`; for one that is
+    gone, each session it held is released (`release(session, kind)`, blocking, run in a thread: it
+    must be idempotent) and its lease ends (`held` yields the event that ends it). A call the holder
+    sent before it died may still open such a session after that, so each is released once more at
+    the next check. `on_orphans(n)` counts them. Leases are added and the task runs on the replica's
+    event loop."""
+
+    def __init__(self, release: Callable[[str, object], None] | None = None,
+                 alive: Callable[[Holder], bool] = _actor_alive, period_s: float = HOLDER_CHECK_PERIOD_S,
+                 on_orphans: Callable[[int], None] = lambda n: None, pool: str = "pool replica"):
         self.open = 0
+        self.orphans_released = 0
+        self._release = release
+        self._alive = alive
+        self.period_s = period_s
+        self._on_orphans = on_orphans
+        self._pool = pool
+        self._held: dict[Holder, dict[str, tuple[asyncio.Event, object]]] = {}  # holder -> session -> (end, kind)
+        self._again: dict[str, object] = {}  # orphaned sessions to release once more at the next check
+        self._task: asyncio.Task | None = None
 
     @contextlib.contextmanager
-    def held(self):
+    def held(self, session: str, holder: Holder | None = None, kind: object = None):
+        """Counts the lease open; yields the event that ends it early (its holder died)."""
+        ended = asyncio.Event()
+        entry = (ended, kind)
         self.open += 1
+        if holder is not None and self._release is not None:
+            self._held.setdefault(tuple(holder), {})[session] = entry
+            if self._task is None:
+                self._task = asyncio.get_running_loop().create_task(self._watch())
         try:
-            yield
+            yield ended
         finally:
             self.open -= 1
+            if holder is not None:
+                sessions = self._held.get(tuple(holder))
+                if sessions is not None and sessions.get(session) is entry:  # ended by its holder
+                    del sessions[session]
+                    if not sessions:
+                        del self._held[tuple(holder)]
+
+    async def _watch(self) -> None:
+        try:
+            while self._held or self._again:
+                await asyncio.sleep(self.period_s)
+                try:
+                    await self.check()
+                except Exception:  # never let one bad pass stop the watching
+                    log.exception("%s: checking lease holders failed", self._pool)
+        finally:
+            self._task = None
+
+    async def check(self) -> int:
+        """One pass: release the sessions of holders that are gone and end their leases; returns how many."""
+        again, self._again = self._again, {}
+        for session, kind in again.items():
+            await self._release_one(session, kind)
+        released = 0
+        for holder in list(self._held):
+            try:
+                alive = await asyncio.to_thread(self._alive, holder)
+            except Exception as e:  # e.g. the GCS not answering: ask again next time
+                log.warning("%s: could not tell whether lease holder %s is alive: %s", self._pool, holder[1], e)
+                continue
+            if alive:
+                continue
+            sessions = self._held.pop(holder, {})
+            for session, (ended, kind) in sessions.items():
+                await self._release_one(session, kind)
+                self._again[session] = kind
+                ended.set()
+            if sessions:
+                released += len(sessions)
+                log.warning("%s: lease holder %s is gone; released its %d session(s) and ended their leases",
+                            self._pool, holder[1], len(sessions))
+        if released:
+            self.orphans_released += released
+            self._on_orphans(released)
+        return released
+
+    async def _release_one(self, session: str, kind: object) -> None:
+        try:
+            await asyncio.to_thread(self._release, session, kind)
+        except Exception:
+            log.exception("%s: releasing orphaned session %s failed", self._pool, session)
 
 
 class VerifierPool:
@@ -70,19 +194,24 @@ class VerifierPool:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
                 ).remote(engine_config, name, rank, tensor_parallel_size, port))
         self.rank0 = VerifierRank(engine_config, name, 0, tensor_parallel_size, port)
-        self.leases = _Leases()
+        orphans = orphaned_sessions_counter(_model_tag(engine_config), "verifier")
+        self.leases = _Leases(self._release_orphan, on_orphans=orphans.inc, pool=f"verifier replica {name}")
         self.name = name
         endpoint = self.rank0.endpoint()
         log.info("verifier replica %s serving on %s%s (tensor_parallel_size=%d)", name, endpoint.address,
                  " over TLS" if endpoint.root_certificates else "", tensor_parallel_size)
 
-    async def lease(self, session: str):
-        """Yields this replica's gRPC endpoint, then holds the session until the caller cancels."""
+    async def lease(self, session: str, holder: Holder | None = None):
+        """Yields this replica's gRPC endpoint, then holds the session until the caller cancels, or until
+        `holder` (the caller's actor, when given) is found dead: the session's KV is then released here."""
         if self.rank0.broken():  # until Serve's health check replaces this replica
             raise RuntimeError(f"verifier replica {self.name} is being replaced: {self.rank0.broken()}")
-        with self.leases.held():
+        with self.leases.held(session, holder) as ended:
             yield self.rank0.endpoint()
-            await _hold(asyncio.Event())
+            await ended.wait()
+
+    def _release_orphan(self, session: str, kind: object = None) -> None:
+        self.rank0.engine.release(session)  # a no-op for a session already released (or never opened)
 
     def sessions(self) -> int:
         return self.rank0.engine.num_sessions
@@ -114,13 +243,22 @@ class DrafterPool:
             max_restarts=-1, max_task_retries=0, max_concurrency=256,
         ).remote(engine_config)
         ray.get(self.actor.ready.remote(), timeout=600)
-        self.leases = _Leases()
+        orphans = orphaned_sessions_counter(_model_tag(engine_config), "drafter")
+        self.leases = _Leases(self._release_orphan, on_orphans=orphans.inc,
+                              pool=f"drafter replica {context.replica_id.unique_id}")
 
-    async def lease(self, session: str):
-        """Yields the drafter actor's handle, then holds the session until the caller cancels."""
-        with self.leases.held():
+    async def lease(self, session: str, holder: Holder | None = None, ahead: bool = False):
+        """Yields the drafter actor's handle, then holds the session until the caller cancels, or until
+        `holder` (the caller's actor, when given) is found dead: the session is then released on the
+        drafter (`ahead`: a continuously drafted session, `Drafter.ahead_release`; else `release`)."""
+        with self.leases.held(session, holder, ahead) as ended:
             yield self.actor
-            await _hold(asyncio.Event())
+            await ended.wait()
+
+    def _release_orphan(self, session: str, ahead: object = False) -> None:
+        # both are no-ops for a session the drafter no longer (or never) held
+        release = self.actor.ahead_release if ahead else self.actor.release
+        ray.get(release.remote(session), timeout=60)
 
     def sessions(self) -> int:
         """Sessions the drafter actor holds state for."""
@@ -139,8 +277,8 @@ class DrafterPool:
 class _Lease:
     """The router's side of a lease: the first item of a streaming call, then cancel to let go."""
 
-    def __init__(self, handle, session: str):
-        self._response = handle.options(stream=True).lease.remote(session)
+    def __init__(self, handle, session: str, **options):
+        self._response = handle.options(stream=True).lease.remote(session, **options)
         self.value = next(iter(self._response))
         self._lock = threading.Lock()
         self._done = False
@@ -159,10 +297,12 @@ class ServeVerifierPool:
         self.handle = handle
         self._replicas: dict[Endpoint, VerifierReplicaHandle] = {}
         self._lock = threading.Lock()
+        holder = _lease_holder()  # this router replica: the pool releases its sessions if it dies
+        self._options = {"holder": holder} if holder is not None else {}
 
     def acquire(self, session: str) -> VerifierLease:
         try:
-            lease = _Lease(self.handle, session)
+            lease = _Lease(self.handle, session, **self._options)
         except Exception as e:  # e.g. a replica being replaced: the router waits and asks again
             raise TandemError(f"no verifier replica took session {session}: {type(e).__name__}: {e}") from e
         endpoint: Endpoint = lease.value
@@ -174,11 +314,15 @@ class ServeVerifierPool:
 
 
 class ServeDrafterPool:
-    """`acquire` for the router: (the drafter actor Serve picked for the session, release callback)."""
+    """`acquire` for the router: (the drafter actor Serve picked for the session, release callback).
+    `ahead`: the router drafts continuously (`Drafter.ahead_*`), which is how the drafter replica must
+    release the sessions should this router replica die."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, ahead: bool = False):
         self.handle = handle
+        holder = _lease_holder()  # this router replica: the pool releases its sessions if it dies
+        self._options = {"holder": holder, **({"ahead": True} if ahead else {})} if holder is not None else {}
 
     def acquire(self, session: str):
-        lease = _Lease(self.handle, session)
+        lease = _Lease(self.handle, session, **self._options)
         return lease.value, lease.release

@@ -75,7 +75,7 @@ class RouterDeployment:
         path = models.resolve_model_path(engine.target, engine.cache_dir)
         self.tokenizer = models.load_tokenizer(path)
         model_config = AutoConfig.from_pretrained(path)
-        drafter = ServeDrafterPool(drafter_handle) if drafter_handle is not None else None
+        drafter = ServeDrafterPool(drafter_handle, ahead=self.config.continuous) if drafter_handle is not None else None
         self.router = Router.from_config(self.config, engine, ServeVerifierPool(verifier_handle), drafter,
                                          self.tokenizer, model_config)
         self.max_context = model_config.max_position_embeddings

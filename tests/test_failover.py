@@ -1,9 +1,11 @@
 """Router failover through the real Serve application: the router replica carrying streams is killed
 (SIGKILL through Ray) mid-stream; every stream goes on from what it had sent, on the replica Serve
-starts instead, with the reference tokens (fp32, so exact), nothing repeated, the same usage."""
+starts instead, with the reference tokens (fp32, so exact), nothing repeated, the same usage; the
+sessions the killed router held on the verifier and the drafter are released there."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -118,11 +120,95 @@ def _held() -> dict[str, int]:
             "drafter_leases": ask("DrafterPool", "open_leases")}
 
 
+NOTHING_HELD = {"router": 0, "verifier": 0, "verifier_leases": 0, "drafter": 0, "drafter_leases": 0}
+
+
+def _assert_nothing_held(deadline_s: float) -> None:
+    deadline = time.time() + deadline_s
+    while _held() != NOTHING_HELD and time.time() < deadline:
+        time.sleep(1)
+    assert _held() == NOTHING_HELD
+
+
+def test_leases_of_a_dead_holder_are_ended_and_their_sessions_released():
+    """The pools' lease bookkeeping (`deployments.pools._Leases`) without Serve: once a holder is found
+    dead, each session it held is released (with its kind), once more at the next check, and its lease
+    ends; leases its holder ended are not released; other holders' and unwatched leases stay; the
+    holder check runs once per distinct holder, and a check that fails counts as alive."""
+    from deployments.pools import _Leases
+
+    async def scenario():
+        alive = {"a": True, "b": True, "c": True}
+        asked: list[str] = []
+        released: list[tuple[str, object]] = []
+        counted: list[int] = []
+
+        def is_alive(holder):
+            asked.append(holder[1])
+            if alive[holder[1]] is None:
+                raise TimeoutError("GCS not answering")
+            return alive[holder[1]]
+
+        def watcher(period_s: float) -> _Leases:
+            return _Leases(lambda session, kind: released.append((session, kind)), alive=is_alive,
+                           period_s=period_s, on_orphans=counted.append, pool="test")
+
+        async def lease(leases, session, holder, kind=None):  # as VerifierPool.lease / DrafterPool.lease
+            with leases.held(session, holder, kind) as ended:
+                yield session
+                await ended.wait()
+
+        async def hold(session, holder, kind=None):  # the caller keeps the stream open until cancelled
+            async for _ in lease(leases, session, holder and ("serve", holder), kind):
+                pass
+
+        leases = watcher(3600)  # checked by hand below
+        tasks = {s: asyncio.create_task(hold(s, h, k)) for s, h, k in
+                 [("a1", "a", None), ("a2", "a", True), ("a3", "a", None), ("b1", "b", None), ("c1", "c", None),
+                  ("x1", None, None)]}
+        await asyncio.sleep(0.01)
+        assert leases.open == 6
+        assert await leases.check() == 0 and sorted(asked) == ["a", "b", "c"]  # one check per holder
+        tasks["a3"].cancel()  # its holder let go of it, as a router does
+        await asyncio.gather(tasks["a3"], return_exceptions=True)
+        assert leases.open == 5
+        alive["a"], alive["c"] = False, None
+        assert await leases.check() == 2
+        await asyncio.wait_for(asyncio.gather(tasks["a1"], tasks["a2"]), 5)  # their leases ended
+        assert sorted(released) == [("a1", None), ("a2", True)] and counted == [2]
+        assert leases.open == 3 and not any(tasks[s].done() for s in ("b1", "c1", "x1"))
+        assert await leases.check() == 0  # released once more (idempotent), nothing new
+        assert sorted(released) == [("a1", None), ("a1", None), ("a2", True), ("a2", True)]
+        await leases.check()
+        assert len(released) == 4
+
+        for session in ("b1", "c1", "x1"):
+            tasks[session].cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        assert leases.open == 0 and released.count(("c1", None)) == 0
+
+        # the background task: started by the first watched lease, ends leases by itself, stops when idle
+        leases = watcher(0.05)
+        alive["c"] = True
+        tasks = {s: asyncio.create_task(hold(s, h)) for s, h in [("b1", "b"), ("c1", "c")]}
+        await asyncio.sleep(0.01)
+        assert leases._task is not None and leases.open == 2
+        alive["c"] = False
+        await asyncio.wait_for(tasks["c1"], 5)
+        assert ("c1", None) in released and leases.orphans_released == 1 and not tasks["b1"].done()
+        tasks["b1"].cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await asyncio.sleep(0.3)
+        assert leases.open == 0 and leases._task is None
+        assert released.count(("c1", None)) == 2 and ("b1", None) not in released
+
+    asyncio.run(scenario())
+
+
 def test_no_session_leaks_after_disconnects_and_timeouts(server):
     """16 clients go away at random points (before the first token, mid-stream, by a client timeout,
     after the end, non-streaming ones by timeout): afterwards nothing holds a session or a lease.
-    Runs before the kill tests: a killed *router* still leaves its verifier and drafter sessions
-    behind (nothing tells the verifier or drafter that the lease holder died; a known gap)."""
+    (A killed router's sessions: `test_sixteen_streams_survive_a_kill`.)"""
     rng = random.Random(0)
     body = {"model": MODEL, "prompt": PROMPTS[2][0], "max_tokens": 400, "temperature": 0.7, "ignore_eos": True}
 
@@ -147,10 +233,7 @@ def test_no_session_leaks_after_disconnects_and_timeouts(server):
     with ThreadPoolExecutor(16) as pool:
         outcomes = list(pool.map(one, range(16)))
     assert "disconnected" in outcomes and "timed out" in outcomes and "finished" in outcomes
-    deadline = time.time() + 90
-    while any(_held().values()) and time.time() < deadline:
-        time.sleep(1)
-    assert _held() == {"router": 0, "verifier": 0, "verifier_leases": 0, "drafter": 0, "drafter_leases": 0}
+    _assert_nothing_held(90)
 
 
 @pytest.mark.parametrize("victim", ["router", "verifier", "drafter"])
@@ -158,7 +241,8 @@ def test_sixteen_streams_survive_a_kill(server, client, tokenizer, prompt_ids, r
     """16 concurrent greedy streams (12 HTTP, 4 gRPC); once every stream has sent tokens the router
     replica (streams resumed by the ingress), the verifier replica (sessions replayed by the router)
     or the drafter (plain decoding) is killed: every stream completes with the reference tokens, its
-    text once, the same usage."""
+    text once, the same usage. Afterwards nothing holds a session or a lease: a killed router's
+    sessions are released by the verifier and the drafter, which find their lease holder gone."""
     n = 2 * len(PROMPTS)
     started = [threading.Event() for _ in range(n)]
     before = [0] * n
@@ -190,6 +274,7 @@ def test_sixteen_streams_survive_a_kill(server, client, tokenizer, prompt_ids, r
         assert text == tokenizer.decode(ref, skip_special_tokens=True), f"stream {i}: text repeated or missing"
         assert completion == len(ref)
     assert any(before[i] < len(results[i][0]) for i in range(n)), "the kill came after every stream ended"
+    _assert_nothing_held(60)
 
 
 def test_seeded_sampled_stream_resumed_equals_uninterrupted(server, client):

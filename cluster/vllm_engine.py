@@ -354,7 +354,9 @@ def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamm
             else:
                 for mode in drafter_modes:
                     spec = drafter_spec(engine_config)
-                    engine.configure({**spec, **DRAFTER_MODES[mode], "wait_s": 0.5})
+                    # a fresh drafter per mode ("mode" is not a tuning key): the hybrid remembers other
+                    # sessions' outputs, and these are the same prompts again
+                    engine.configure({**spec, **DRAFTER_MODES[mode], "wait_s": 0.5, "mode": mode})
                     run(engine, f"vllm_tandem_{proposer if proposer != 'draft' else draft}_{mode}")
         finally:
             engine.shutdown()

@@ -450,7 +450,7 @@ def make_client(spec: dict) -> DraftClient | None:
 # -- the proposer vLLM calls ------------------------------------------------------------------------
 
 
-_TUNING = ("max_k", "overlap", "wait_s", "on_miss")
+_TUNING = ("max_k", "overlap", "wait_s", "on_miss", "wait_first")
 
 
 def request_id(session: str, max_speculative_tokens: int | None) -> str:
@@ -489,6 +489,9 @@ class TandemProposer:
         self.overlap = True
         self.wait_s = 0.2
         self.on_miss = "plain"  # overlapped, a missed draft means: "plain" one plain step, "wait" wait for the redraft
+        # whether a request's first step waits for its first draft: vLLM runs the proposer inside the step
+        # that samples the first token, so waiting delays the first token; not waiting costs one plain step
+        self.wait_first = True
         self.registered = False  # sessions opened and released by the front door, keyed by request id
         self._deadline = 0.0
         self.sessions: dict[str, _Session] = {}
@@ -517,6 +520,7 @@ class TandemProposer:
         self.overlap = bool(spec.get("overlap", True))
         self.wait_s = float(spec.get("wait_s", 0.2))
         self.on_miss = spec.get("on_miss", "plain")
+        self.wait_first = bool(spec.get("wait_first", True))
         if self.on_miss not in ("plain", "wait"):
             raise ValueError(f"on_miss must be 'plain' or 'wait', not {self.on_miss!r}")
         self.registered = bool(spec.get("registered", False))
@@ -607,6 +611,9 @@ class TandemProposer:
                 self._submit(s, self.client.resume(rid, len(history) - num_new, history, n), history)
             else:
                 self._submit(s, self.client.start_and_propose(rid, history, n), history)
+            if not self.wait_first and not s.pending.done():  # the first token leaves now; drafts from the next step
+                self.stats["empty_first"] += 1
+                return []
         elif s.failed:
             self.stats["empty_failed"] += 1
             return []

@@ -120,7 +120,8 @@ class TandemLLMServer(_server_base()):
             spec = {"client": "ray", "actor": name, "namespace": ray.get_runtime_context().namespace,
                     "address": ray.get_runtime_context().gcs_address, "auth_mode": os.environ.get("RAY_AUTH_MODE"),
                     "registered": True, "overlap": bool(tandem.get("overlap", True)),
-                    "wait_s": float(tandem.get("wait_s", 0.2)), "on_miss": tandem.get("on_miss", "plain")}
+                    "wait_s": float(tandem.get("wait_s", 0.2)), "on_miss": tandem.get("on_miss", "plain"),
+                    "wait_first": bool(tandem.get("wait_first", False))}
             await self.collective_rpc("tandem_configure", args=(spec,))
         self.fix = (await self.collective_rpc("tandem_fix_state"))[0]
         self.open_sessions = 0
@@ -305,7 +306,8 @@ def build_vllm_app(config: TandemAppConfig):
     engine.update(backend="torch")  # the drafter's own models run on tandem's runner
     tandem = {"speculative": config.speculative, "engine": engine,
               "drafter_placement": config.drafter.placement.model_dump(mode="json"),
-              "overlap": config.vllm.overlap, "wait_s": config.vllm.wait_s, "on_miss": config.vllm.on_miss}
+              "overlap": config.vllm.overlap, "wait_s": config.vllm.wait_s, "on_miss": config.vllm.on_miss,
+              "wait_first": config.vllm.wait_first}
     verifier = build_llm_deployment(llm_config(config), name_prefix="Verifier:", deployment_cls=TandemLLMServer,
                                     bind_kwargs={"tandem": tandem})
     router = serve.deployment(VLLMRouterDeployment).options(**router_options(config)).bind(plain, verifier)

@@ -176,6 +176,16 @@ def test_overlap_waiting_for_the_redraft_on_a_miss(spec, prompts, reference):
     assert 0 < counters["accepted_tokens"] < counters["draft_tokens"]
 
 
+def test_first_step_does_not_wait_for_the_first_draft(spec, prompts, reference):
+    """wait_first False: a request's first token leaves without waiting for its first draft (one plain
+    step, counted); drafting goes on from the next step. (The first draft, a prefill and 4 draft steps
+    on the drafting thread, is never ready the instant it is asked for.)"""
+    outputs, counters, stats = _run(spec, prompts, INT8, max_k=4, overlap=False, wait_first=False)
+    assert outputs == reference
+    assert stats["empty_first"] == len(prompts) and stats["hits"] > 0
+    assert counters["accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_always_right_proposer(spec, prompts, reference, overlap):
     outputs, counters, stats = _run(spec, prompts, _replay(reference, prompts, False, spec.vocab_size),

@@ -24,7 +24,6 @@ parallelism inside the replica's placement group (on GPUs through Ray; on CPU vL
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -201,9 +200,8 @@ class TandemLLMServer(_server_base()):
         return self.open_sessions
 
     async def check_health(self) -> None:
+        # the engine only: a drafter that died or is restarting means plain steps, not a failed replica
         await super().check_health()
-        if self.drafter is not None:
-            await asyncio.wait_for(self.drafter.ready.remote(), 60)
 
 
 class VLLMRouterDeployment:

@@ -100,11 +100,11 @@ class TandemLLMServer(_server_base()):
         from ray import serve
         from ray.util import metrics
 
-        await super().__init__(llm_config, **kwargs)
         tandem = tandem or {}
         self.drafter = None
         self.speculative = bool(tandem.get("speculative"))
-        if self.speculative:
+        name = None
+        if self.speculative:  # the drafter loads its model while vLLM starts
             from cluster.drafter import Drafter
 
             context = serve.get_replica_context()
@@ -115,6 +115,8 @@ class TandemLLMServer(_server_base()):
                 accelerator_type=placement.get("accelerator_type"), resources=placement.get("resources") or None,
                 scheduling_strategy="DEFAULT",  # not in the replica's placement group
                 max_restarts=-1, max_task_retries=0, max_concurrency=256).remote(tandem["engine"])
+        await super().__init__(llm_config, **kwargs)
+        if self.drafter is not None:
             await self.drafter.ready.remote()
             spec = {"client": "ray", "actor": name, "namespace": ray.get_runtime_context().namespace,
                     "address": ray.get_runtime_context().gcs_address, "auth_mode": os.environ.get("RAY_AUTH_MODE"),

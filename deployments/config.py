@@ -75,7 +75,7 @@ class VLLMServingConfig(BaseModel):
     kv_cache_space_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (GiB of KV cache per replica).")
     overlap: bool = Field(False, description="The drafter keeps drafting as if its last draft will be accepted (a miss costs one plain step, or a wait: on_miss). Off by default: on two shared CPU cores drafting on demand serves faster (BENCHMARKS.md); on with the drafter on a device of its own.")
     wait_s: float = Field(0.2, ge=0, le=30, description="How long vLLM's proposer waits for a draft per step before a plain step.")
-    wait_first: bool = Field(False, description="Whether a request's first step waits for its first draft (vLLM samples the first token in that step, so waiting delays it; not waiting costs one plain step).")
+    wait_first: bool = Field(True, description="Whether a request's first step waits for its first draft (vLLM samples the first token in that step, so waiting may delay it; not waiting costs one plain step). Not waiting did not lower the served TTFT here (BENCHMARKS.md).")
     on_miss: Literal["plain", "wait"] = Field("plain", description="Overlapped, when the drafter's draft missed the committed tokens: 'plain' (one plain step while it redrafts) or 'wait' (wait up to wait_s for the redraft).")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="More vLLM engine arguments, passed as they are (e.g. gpu_memory_utilization).")
 

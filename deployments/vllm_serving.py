@@ -122,7 +122,7 @@ class TandemLLMServer(_server_base()):
                     "address": ray.get_runtime_context().gcs_address, "auth_mode": os.environ.get("RAY_AUTH_MODE"),
                     "registered": True, "overlap": bool(tandem.get("overlap", True)),
                     "wait_s": float(tandem.get("wait_s", 0.2)), "on_miss": tandem.get("on_miss", "plain"),
-                    "wait_first": bool(tandem.get("wait_first", False))}
+                    "wait_first": bool(tandem.get("wait_first", True))}
             await self.collective_rpc("tandem_configure", args=(spec,))
         self.fix = (await self.collective_rpc("tandem_fix_state"))[0]
         self.open_sessions = 0

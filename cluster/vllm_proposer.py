@@ -137,7 +137,10 @@ class DraftClient:
 
     def resume(self, session: str, start: int, history: list[int], k: int) -> Future:
         """A session the front door opened on `history[:start]` (its prompt; the drafter may already
-        be drafting): append what vLLM committed since, then draft k tokens."""
+        be drafting): append what vLLM committed since, then draft k tokens. A session the drafter does
+        not know fails (plain decoding for it): only the front door opens and releases registered
+        sessions, so that none outlives its request (a session opened here after the front door's
+        release would never be released)."""
         from cluster.messages import SyncOp
 
         return self.propose(session, k, [SyncOp(length=start, token_ids=history[start:])])
@@ -260,7 +263,6 @@ class RayDraftClient(DraftClient):
             ray.init(address=address or "auto", namespace=namespace, log_to_driver=False,
                      logging_level=logging.WARNING)
         self.actor = ray.get_actor(actor_name, namespace=namespace)
-        self.late_registrations = 0
 
     def start_and_propose(self, session, prompt_ids, k):
         from cluster.sampling import SamplingParams
@@ -281,28 +283,6 @@ class RayDraftClient(DraftClient):
     def propose(self, session, k, sync=()):
         result: Future = Future()
         self._chain(self.actor.propose.remote(session, k, list(sync)), result)
-        return result
-
-    def resume(self, session, start, history, k):
-        """As `DraftClient.resume`; a session the drafter does not know (its registration was lost or
-        came late) is opened here on the whole history instead (logged)."""
-        result: Future = Future()
-        first = DraftClient.resume(self, session, start, history, k)
-
-        def done(f: Future) -> None:
-            try:
-                result.set_result(f.result())
-            except Exception as e:  # noqa: BLE001
-                if "unknown session" not in str(e):
-                    result.set_exception(e)
-                    return
-                log.warning("drafter did not know session %s: opening it from the proposer", session)
-                self.late_registrations += 1
-                again = self.start_and_propose(session, history, k)
-                again.add_done_callback(lambda g: result.set_exception(g.exception()) if g.exception()
-                                        else result.set_result(g.result()))
-
-        first.add_done_callback(done)
         return result
 
     @staticmethod

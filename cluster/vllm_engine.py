@@ -59,12 +59,13 @@ def require_vllm():
     return vllm
 
 
-def to_vllm_params(params: SamplingParams):
+def to_vllm_params(params: SamplingParams, **extra):
+    """vLLM's SamplingParams for ours; `extra` (e.g. output_kind) goes through as it is."""
     from vllm import SamplingParams as VParams
 
     return VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                    top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
-                   ignore_eos=params.ignore_eos)
+                   ignore_eos=params.ignore_eos, **extra)
 
 
 class VLLMEngine:

@@ -16,7 +16,7 @@ vLLM engine startup, reused as they are) extended by `TandemLLMServer`:
   and ends the drafter's session when the request ends, finished, failed or cancelled (vLLM does not
   tell the proposer).
 - The proposer's counters (hits, misses, plain `[]` rows, drafter failures) are Prometheus counters
-  (`tandem_vllm_proposer_rows{kind=...}`), recorded by the replica after each request.
+  (`tandem_vllm_proposer_rows{kind=...}`), recorded by the replica at each of Serve's health checks.
 
 Placement: `verifier.placement` per rank; `tensor_parallel_size` ranks use vLLM's own tensor
 parallelism inside the replica's placement group (on GPUs through Ray; on CPU vLLM's processes).
@@ -77,13 +77,13 @@ def llm_config(config: TandemAppConfig):
                      engine_kwargs=engine_kwargs, runtime_env={"env_vars": env}, deployment_config=deployment)
 
 
-def _vllm_params(params: SamplingParams):
-    from vllm import SamplingParams as VParams
+def _delta_params(params: SamplingParams):
+    """vLLM's params for a streamed request: each output carries only the new tokens."""
     from vllm.sampling_params import RequestOutputKind
 
-    return VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                   top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
-                   ignore_eos=params.ignore_eos, output_kind=RequestOutputKind.DELTA)
+    from cluster.vllm_engine import to_vllm_params
+
+    return to_vllm_params(params, output_kind=RequestOutputKind.DELTA)
 
 
 def _server_base():
@@ -102,14 +102,14 @@ class TandemLLMServer(_server_base()):
 
         tandem = tandem or {}
         self.drafter = None
-        self.speculative = bool(tandem.get("speculative"))
+        self.speculative = bool(tandem.get("speculative"))  # the rest of `tandem` is there when speculative
         name = None
         if self.speculative:  # the drafter loads its model while vLLM starts
             from cluster.drafter import Drafter
 
             context = serve.get_replica_context()
             name = f"tandem-vllm-drafter-{context.app_name}-{context.replica_id.unique_id}"
-            placement = tandem.get("drafter_placement") or {}
+            placement = tandem["drafter_placement"]
             self.drafter = ray.remote(Drafter).options(
                 name=name, num_cpus=placement.get("num_cpus", 1), num_gpus=placement.get("num_gpus", 0),
                 accelerator_type=placement.get("accelerator_type"), resources=placement.get("resources") or None,
@@ -120,9 +120,7 @@ class TandemLLMServer(_server_base()):
             await self.drafter.ready.remote()
             spec = {"client": "ray", "actor": name, "namespace": ray.get_runtime_context().namespace,
                     "address": ray.get_runtime_context().gcs_address, "auth_mode": os.environ.get("RAY_AUTH_MODE"),
-                    "registered": True, "overlap": bool(tandem.get("overlap", True)),
-                    "wait_s": float(tandem.get("wait_s", 0.2)), "on_miss": tandem.get("on_miss", "plain"),
-                    "wait_first": bool(tandem.get("wait_first", True))}
+                    "registered": True, **{k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first")}}
             await self.collective_rpc("tandem_configure", args=(spec,))
         self.fix = (await self.collective_rpc("tandem_fix_state"))[0]
         self.open_sessions = 0
@@ -157,7 +155,7 @@ class TandemLLMServer(_server_base()):
         try:
             finish, spec = None, None
             async for out in self.engine._engine_client.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                                                                  _vllm_params(sampling), request_id=session):
+                                                                  _delta_params(sampling), request_id=session):
                 completion = out.outputs[0]
                 if completion.token_ids:
                     yield {"token_ids": list(completion.token_ids)}
@@ -176,7 +174,6 @@ class TandemLLMServer(_server_base()):
                 except Exception:  # noqa: BLE001 - a dead drafter holds nothing
                     pass
                 self.drafter.release.remote(session)
-            await self._record_proposer()
 
     async def _record_proposer(self) -> None:
         if not self.speculative:
@@ -204,6 +201,7 @@ class TandemLLMServer(_server_base()):
     async def check_health(self) -> None:
         # the engine only: a drafter that died or is restarting means plain steps, not a failed replica
         await super().check_health()
+        await self._record_proposer()  # periodically (Serve's health checks), off the requests' path
 
 
 class VLLMRouterDeployment:

@@ -24,7 +24,7 @@ from cluster.errors import ConfigError  # noqa: E402
 from deployments.config import TandemAppConfig  # noqa: E402
 from protos import pb, rpc  # noqa: E402
 from tests.helpers import SERVE_PROMPTS, serve_app  # noqa: E402
-from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error  # noqa: E402
+from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error, _generate  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
@@ -149,12 +149,8 @@ def test_malformed_http_request_as_on_torch(server, path, body, headers, status,
 
 @pytest.mark.parametrize("request_,needle", [c[1:] for c in GRPC_SAMPLE], ids=[c[0] for c in GRPC_SAMPLE])
 def test_malformed_grpc_request_as_on_torch(server, request_, needle):
-    channel = grpc.insecure_channel(server.grpc)
-    call = channel.unary_stream("/tandem.v1.Generation/Generate", response_deserializer=pb.GenerateResponse.FromString,
-                                request_serializer=(lambda b: b) if isinstance(request_, bytes) else
-                                pb.GenerateRequest.SerializeToString)
     with pytest.raises(grpc.RpcError) as info:
-        list(call(request_, metadata=METADATA, timeout=60))
+        _generate(server, request_)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert needle in info.value.details()
 

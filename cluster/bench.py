@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster import models
-from cluster.engine import encode_prompt
+from cluster.engine import EngineConfig, encode_prompt
 from cluster.runner import TorchModelRunner
 from cluster.sampling import SamplingParams
 from cluster.speculate import SpeculationStats, SpeculativeDecoder
@@ -26,6 +26,8 @@ from drafts.feature_proposer import FEATURE_DRAFT, FeatureProposer, feature_draf
 from drafts.hybrid import HybridProposer
 from drafts.ngram import NGramProposer
 from drafts.small_draft import draft_path, load_draft
+
+MATCH_TOKENS = EngineConfig.model_fields["match_tokens"].default  # the hybrid's long match rounds, as served
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,9 @@ def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: in
                                                  tokenizer, gamma),
         "ngram": lambda: SpeculativeDecoder(target, NGramProposer(), tokenizer, gamma),
         "hybrid": lambda: SpeculativeDecoder(
+            target, HybridProposer(DraftModelProposer(TorchModelRunner(draft_model, "draft")), match_tokens=MATCH_TOKENS),
+            tokenizer, gamma),
+        "hybrid_gamma_matches": lambda: SpeculativeDecoder(  # match rounds γ long, like the model's
             target, HybridProposer(DraftModelProposer(TorchModelRunner(draft_model, "draft"))), tokenizer, gamma),
     }
     for name in drafts:
@@ -113,7 +118,8 @@ def run_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: in
             spec_modes[f"draft_{label}"] = (
                 lambda fdraft=fdraft: SpeculativeDecoder(target, FeatureProposer(fdraft), tokenizer, gamma))
             spec_modes[f"hybrid_{label}"] = (lambda fdraft=fdraft: SpeculativeDecoder(
-                target, HybridProposer(FeatureProposer(fdraft), cost_ratio=0.1), tokenizer, gamma))
+                target, HybridProposer(FeatureProposer(fdraft), cost_ratio=0.1, match_tokens=MATCH_TOKENS), tokenizer,
+                gamma))
             continue
         small = load_draft(name, target_model)
         spec_modes[f"draft_{draft_path(name).name}"] = (

@@ -3,6 +3,7 @@ through the whole Ray + gRPC path, side by side in one run, plus throughput unde
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -21,12 +22,40 @@ MODES = {  # mode -> (proposer on, pipeline_depth, fill_bubbles, extra ClusterCo
     "target_only": (False, 1, False, {}),
     "sequential": (True, 1, False, {}),
     "sequential_tree": (True, 1, False, {"tree_width": 2}),  # top-2 siblings at the first draft position
+    "sequential_gamma_matches": (True, 1, False, {"match_tokens": 0}),  # the hybrid's match rounds γ long
     "pipelined": (True, 2, True, {}),  # the depth-2 chain with filled bubbles
     "pipelined_no_fill": (True, 2, False, {}),  # the same without plain steps in the post-rejection bubble
     "continuous": (True, 1, False, {"continuous": True}),  # drafting ahead, instant cancel
     "continuous_depth2": (True, 2, False, {"continuous": True}),
 }
-ENGINE_FIELDS = {"tree_width"}
+ENGINE_FIELDS = {"tree_width", "match_tokens"}
+
+
+def pin_threads(cpus: set[int]) -> list[int]:
+    """Pins every thread of this process to `cpus` (threads started later inherit it); the CPUs it runs on."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(os.sched_getaffinity(0))
+
+
+def pin_cluster(cluster: TandemCluster) -> dict:
+    """The drafter on the last CPU, the verifier's ranks on the others: the models on cores of their own (the
+    nearest a machine without accelerators comes to the drafter's own device); the router and Ray's own
+    processes are not pinned. Returns the CPUs of each."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise ValueError("pinning the drafter and the verifier to cores of their own needs 2 CPUs")
+    pinned = {}
+    for replica in cluster.replicas:
+        for rank, actor in enumerate(replica.ranks):
+            pinned[f"{replica.name}/rank{rank}"] = ray.get(
+                actor.__ray_call__.remote(lambda self, c: pin_threads(c), set(cpus[:-1])))
+    if cluster.drafter is not None:
+        pinned["drafter"] = ray.get(cluster.drafter.__ray_call__.remote(lambda self, c: pin_threads(c), {cpus[-1]}))
+    return pinned
 
 
 def _concurrent(cluster: TandemCluster, prompts: list[list[int]], sessions: int, max_tokens: int) -> dict:
@@ -50,13 +79,14 @@ def _concurrent(cluster: TandemCluster, prompts: list[list[int]], sessions: int,
 def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8, max_tokens: int = 128,
                           gamma: int = 4, dtype: str = "bfloat16", proposer: str = "draft",
                           concurrency: tuple[int, ...] = (1, 4, 16), concurrency_max_tokens: int = 64,
-                          modes: tuple[str, ...] = (), draft: str = "int8") -> dict:
+                          modes: tuple[str, ...] = (), draft: str = "int8", pin_cpus: bool = False) -> dict:
     """`modes`: the optional modes to run besides the four the report is built on (default: all); `draft`:
-    the model draft of proposers draft and hybrid ('int8', 'feature' or a draft directory)."""
+    the model draft of proposers draft and hybrid ('int8', 'feature' or a draft directory); `pin_cpus`: the
+    verifier and the drafter each pinned to a core of its own (`pin_cluster`)."""
     init_local_ray()
     report: dict = {"config": {"workload": workload_name, "prompts": num_prompts, "max_tokens": max_tokens,
                                "num_speculative_tokens": gamma, "dtype": dtype, "proposer": proposer, "draft": draft,
-                               "threads_per_actor": 1}, "modes": {}}
+                               "threads_per_actor": 1, "pin_cpus": pin_cpus}, "modes": {}}
     texts, chat = workload(workload_name, num_prompts)
     for mode, (speculate, depth, fill, extra) in MODES.items():
         if modes and mode not in modes and mode not in ("target_only", "sequential", "pipelined", "pipelined_no_fill"):
@@ -68,6 +98,8 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
                                               **{k: v for k, v in extra.items() if k not in ENGINE_FIELDS}))
         try:
             prompts = [encode_prompt(cluster.tokenizer, t, chat) for t in texts]
+            if pin_cpus:
+                report["config"]["pinned"] = pin_cluster(cluster)
             cluster.generate(prompts[0], SamplingParams(max_tokens=8))  # warm-up
             drafter_before = ray.get(cluster.drafter.stats.remote()) if cluster.drafter else None
             tokens, wall, verify_s, draft_s, drafted, accepted, rounds = 0, 0.0, 0.0, 0.0, 0, 0, 0
@@ -83,6 +115,8 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
                 draft_s += s.draft_s
                 drafted, accepted, rounds = drafted + s.drafted, accepted + s.accepted, rounds + s.rounds
                 for i, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):
+                    while len(per_position) <= i:  # long match rounds draft more than γ
+                        per_position.append([0, 0])
                     per_position[i][0] += d
                     per_position[i][1] += a
                 for t in timeline:
@@ -149,7 +183,8 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
 def format_distributed(report: dict) -> str:
     cfg = report["config"]
     lines = [f"workload={cfg['workload']} prompts={cfg['prompts']} max_tokens={cfg['max_tokens']} "
-             f"γ={cfg['num_speculative_tokens']} dtype={cfg['dtype']} proposer={cfg['proposer']} (1 torch thread per actor)", "",
+             f"γ={cfg['num_speculative_tokens']} dtype={cfg['dtype']} proposer={cfg['proposer']} (1 torch thread per actor"
+             f"{'; verifier and drafter pinned to cores of their own: ' + str(cfg.get('pinned')) if cfg.get('pin_cpus') else ''})", "",
              "| mode | tokens/s | vs target-only | vs sequential | accept rate | mean acc. len | verify step ms | router+gRPC ms/round | verifier busy | drafter idle s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for mode, row in report["modes"].items():

@@ -59,8 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --distributed or --engine vllm: draft | ngram | hybrid (tandem's drafter)")
     bench.add_argument("--modes", default="",
                        help="with --distributed: optional modes besides target_only, sequential, pipelined and "
-                            "pipelined_no_fill, comma-separated (sequential_tree, continuous, continuous_depth2; "
+                            "pipelined_no_fill, comma-separated (sequential_tree, sequential_gamma_matches, continuous, continuous_depth2; "
                             "default: all)")
+    bench.add_argument("--pin-cpus", action="store_true",
+                       help="with --distributed: the drafter pinned to the last CPU, the verifier to the others")
     bench.add_argument("--concurrency", default="1,4,16",
                        help="with --distributed or --endpoint: concurrent sessions / streams")
     bench.add_argument("--endpoint", metavar="URL",
@@ -355,7 +357,7 @@ def _bench(args) -> int:
                                        args.max_tokens, args.num_speculative_tokens, args.dtype, args.proposer,
                                        tuple(int(n) for n in args.concurrency.split(",") if n),
                                        modes=tuple(m for m in args.modes.split(",") if m),
-                                       draft=args.draft[0] if args.draft else "int8")
+                                       draft=args.draft[0] if args.draft else "int8", pin_cpus=args.pin_cpus)
         print(format_distributed(report))
         if args.json:
             write_json(report, args.json)

@@ -21,6 +21,7 @@ import torch
 
 from cluster.messages import DraftReply, SyncOp, apply_sync
 from cluster.sampling import SamplingParams
+from drafts.proposer import shapes_sequential_rounds
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class Drafter:
         self.idle_s += max(0.0, start - self.idle_since)
         requests = {s: k for s, (k, _) in proposes.items()}
         try:
-            if trees and getattr(self.proposer, "tree_width", 1) > 1:
+            if trees and shapes_sequential_rounds(self.proposer):
                 proposals = self.proposer.propose_batch(requests, trees=trees)
             else:
                 proposals = self.proposer.propose_batch(requests)

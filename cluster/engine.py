@@ -41,6 +41,7 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = Field(None, description="Model cache root (default $TANDEM_CACHE_DIR or ~/.cache/tandem).")
     max_ngram: int = Field(3, ge=1, le=16, description="Longest n-gram the prompt-lookup proposer matches.")
     tree_width: int = Field(1, ge=1, le=4, description="Sequential rounds, verified as a token tree in one forward: the draft model's candidates at the first draft position (its most likely tokens); the hybrid's match rounds: up to this many continuations of the session's own suffix with different first tokens. 1 drafts a chain.")
+    match_tokens: int = Field(16, ge=0, le=32, description="Proposer 'hybrid', sequential rounds: a suffix match at least 4 tokens long proposes up to this many tokens of its continuation instead of γ (a long match tends to go on; its drafts cost nothing and verifying more of them little; BENCHMARKS.md). 0 (or at most γ): match rounds are γ long like the model's.")
     network: NetworkConfig = Field(default_factory=NetworkConfig, description="The verifier's internal gRPC service: the address it binds and advertises ('node' or 'loopback') and optional TLS; calls always need the cluster secret.")
     backend: Literal["torch", "vllm"] = Field("torch", description="Target engine: 'torch' (tandem's own runner over transformers' models, the default) or 'vllm' (vLLM owns the target and its decoding loop; tandem's drafter proposes through vLLM's custom proposer class; needs `pip install -e '.[vllm]'`).")
 
@@ -66,7 +67,8 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_to
     if is_feature_draft(config.draft):  # EAGLE-style: reads the target's features, sent by the verifier
         model = FeatureProposer(load_feature_draft(target_model, feature_draft_dir(config.draft)))
         if config.proposer == "hybrid":  # its cost ratio, measured on this machine (tandem_draft.json)
-            return HybridProposer(model, max_ngram=config.max_ngram, cost_ratio=0.1, tree_width=config.tree_width)
+            return HybridProposer(model, max_ngram=config.max_ngram, cost_ratio=0.1, tree_width=config.tree_width,
+                                  match_tokens=config.match_tokens)
         if config.tree_width > 1:
             raise ConfigError("a feature-fed draft drafts chains: tree_width must be 1 (or use proposer hybrid, "
                               "whose match rounds may be trees)")
@@ -81,7 +83,8 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_to
         draft_model = models.load_causal_lm(path, config.dtype, config.device)
     model = DraftModelProposer(TorchModelRunner(draft_model, name="draft"), tree_width=config.tree_width)
     if config.proposer == "hybrid":
-        return HybridProposer(model, max_ngram=config.max_ngram, tree_width=config.tree_width)
+        return HybridProposer(model, max_ngram=config.max_ngram, tree_width=config.tree_width,
+                              match_tokens=config.match_tokens)
     return model
 
 

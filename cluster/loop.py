@@ -131,6 +131,8 @@ class SessionState:
     max_gamma: int
     sync: list[SyncOp] = field(default_factory=list)  # owed to the drafter, sent with the next propose
     features: FeatureLog | None = None  # a feature-fed draft: the target's features of committed positions
+    max_drafts: int | None = None  # the request's own cap on drafts in any round; None: a long match round
+    # (the hybrid's `match_tokens`) may draft more than max_gamma
 
     def take_sync(self) -> list[SyncOp]:
         ops, self.sync = self.sync, []
@@ -287,6 +289,12 @@ class SessionLoop:
                 draft = self.drafter.result(self.drafter.propose(k, s.take_sync(), tree=bonus))
                 if draft is not None and not draft.token_ids:
                     draft = None
+                limit = min(remaining - (1 if bonus else 0), s.max_drafts if s.max_drafts is not None else remaining)
+                if draft is not None and draft.parents is None and len(draft.token_ids) > limit:
+                    # a round longer than asked (the hybrid's long match rounds) stops where the request
+                    # does, and within the request's own cap; the bonus round's sync rolls the drafter's
+                    # sequence back to the committed one
+                    draft = draft.sliced(0, limit)
             t1 = time.time()
             if draft is None:
                 if live:

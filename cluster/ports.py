@@ -18,7 +18,7 @@ from typing import Protocol
 from cluster.messages import DraftReply, SyncOp, apply_sync
 from cluster.sampling import SamplingParams
 from cluster.verifier import Round, RoundResult, VerifierEngine
-from drafts.proposer import Proposer
+from drafts.proposer import Proposer, shapes_sequential_rounds
 
 
 class VerifierPort(Protocol):
@@ -99,7 +99,7 @@ class LocalDrafterPort:
     def _propose(self, k: int, sync: list[SyncOp], tree: bool) -> DraftReply:
         apply_sync(self.proposer, self.session, sync)
         start = time.time()
-        if tree and getattr(self.proposer, "tree_width", 1) > 1:
+        if tree and shapes_sequential_rounds(self.proposer):
             proposal = self.proposer.propose_batch({self.session: k}, trees={self.session})[self.session]
         else:
             proposal = self.proposer.propose(self.session, k)

@@ -152,7 +152,8 @@ class Router:
                  ) -> GenerationResult:
         """Run one request to its end. `on_tokens(new_output_tokens)` is called as tokens are committed;
         setting `cancelled` ends the request early (finish reason "cancelled") and frees its state;
-        `max_speculative_tokens` caps γ for this request (0 = plain decoding).
+        `max_speculative_tokens` caps the drafts of every round of this request, long match rounds included
+        (0 = plain decoding).
 
         Resuming a session another router carried (failover): `output_prefix` is the output it had
         already committed (the session goes on from prompt + prefix, and stop strings, EOS and
@@ -174,7 +175,8 @@ class Router:
         max_gamma = self.num_speculative_tokens if max_speculative_tokens is None else \
             min(self.num_speculative_tokens, max_speculative_tokens)
         output: list[int] = list(output_prefix)
-        state = SessionState(session, params, prompt_ids + output, output, stats, self.policy.session(), max_gamma)
+        state = SessionState(session, params, prompt_ids + output, output, stats, self.policy.session(), max_gamma,
+                             max_drafts=max_speculative_tokens)
         drafter = None
         if self.drafter is not None and max_gamma > 0:
             acquire = lambda: self.drafter.acquire(session)  # noqa: E731

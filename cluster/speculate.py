@@ -93,7 +93,10 @@ class SpeculativeDecoder:
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.target.max_context, self.tokenizer, self.target.vocab_size)
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 max_speculative_tokens: int | None = None) -> GenerationResult:
+        """`max_speculative_tokens` caps the drafts of every round of this request, long match rounds
+        included (0 = plain decoding), as `Router.generate`'s does."""
         prompt_ids = list(prompt_ids)
         self.validate(prompt_ids, params)
         params = params.with_seed()
@@ -103,11 +106,13 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         verifier = LocalVerifierPort(self.engine, session)
         drafter = None
-        if self.proposer is not None and self.num_speculative_tokens > 0:
+        max_gamma = self.num_speculative_tokens if max_speculative_tokens is None else \
+            min(self.num_speculative_tokens, max_speculative_tokens)
+        if self.proposer is not None and max_gamma > 0:
             drafter = LocalDrafterPort(self.proposer, session, params, self._executor) if self.ahead is None \
                 else LocalAheadPort(self.ahead, session, params, self.loop_config.lookahead)
-        state = SessionState(session, params, list(prompt_ids), [], stats, self.policy.session(),
-                             self.num_speculative_tokens)
+        state = SessionState(session, params, list(prompt_ids), [], stats, self.policy.session(), max_gamma,
+                             max_drafts=max_speculative_tokens)
         loop = SessionLoop(state, drafter, StopChecker(self.tokenizer, self.eos_token_ids, params), self.loop_config,
                            self.estimates, self.metrics)
         # the last prompt token is fed with the first round's drafts

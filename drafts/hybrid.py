@@ -170,7 +170,7 @@ class HybridProposer:
     def __init__(self, model: Proposer, max_ngram: int = 3, min_match: int = 1, confident_match: int | None = 8,
                  cost_ratio: float = 0.4, verify_token_cost: float = 0.03, prior_model: float = 0.7,
                  prior_ngram: float = 0.5, acceptance_weight: float = 0.25, probe_every: int = 8,
-                 history_tokens: int = 8192, tree_width: int = 1):
+                 history_tokens: int = 8192, tree_width: int = 1, match_tokens: int = 0, extend_min: int = 4):
         """`max_ngram`: longest suffix looked up; `min_match`: shortest match used; `confident_match`: a
         match at least this long is used whatever the estimates say (None: never); `cost_ratio`: the
         model's c (draft token time / target step); `prior_*`: α before a source's first verified
@@ -178,20 +178,27 @@ class HybridProposer:
         `history_tokens`: tokens of released sessions' outputs kept for cross-session matches (0: off);
         `tree_width` > 1: a match round asked for a tree (`propose_batch(trees=...)`, sequential rounds)
         proposes up to this many continuations of the session's own suffix with different first tokens,
-        as a token tree verified in one forward (the chosen match is the tree's chain)."""
+        as a token tree verified in one forward (the chosen match is the tree's chain); `match_tokens` > k:
+        such a round (sequential: it ends in the bonus token) whose match is at least `extend_min` tokens long
+        proposes up to `match_tokens` tokens of its continuation instead of k (SuffixDecoding's adaptive
+        length: a long match is likely to go on, its drafts cost nothing and verifying more of them little)."""
         if not 1 <= min_match <= max_ngram:
             raise ConfigError(f"need 1 <= {min_match=} <= {max_ngram=}")
         if confident_match is not None and confident_match < min_match:
             raise ConfigError(f"{confident_match=} must be at least {min_match=}")
         if not (0 < prior_model < 1 and 0 < prior_ngram < 1 and 0 < acceptance_weight <= 1):
             raise ConfigError("priors must lie in (0, 1) and acceptance_weight in (0, 1]")
+        if match_tokens < 0 or extend_min < 1:
+            raise ConfigError(f"need {match_tokens=} >= 0 and {extend_min=} >= 1")
         if cost_ratio < 0 or verify_token_cost < 0 or probe_every < 1 or history_tokens < 0:
             raise ConfigError("cost_ratio, verify_token_cost and history_tokens must be >= 0, probe_every >= 1")
         self.model = model
         self.tree_width = max(1, tree_width)
         self.tree_rounds = 0  # match rounds proposed as a tree of several continuations
+        self.match_tokens, self.extend_min = match_tokens, extend_min
+        self.extended_rounds = 0  # match rounds longer than asked (`match_tokens`)
         self.max_ngram, self.min_match, self.confident_match = max_ngram, min_match, confident_match
-        self.max_match = max(max_ngram, confident_match or 0)
+        self.max_match = max(max_ngram, confident_match or 0, extend_min if match_tokens else 0)
         self.cost_ratio, self.verify_token_cost = cost_ratio, verify_token_cost
         self.priors = {NGRAM: prior_ngram, MODEL: prior_model}
         self.acceptance_weight, self.probe_every = acceptance_weight, probe_every
@@ -248,7 +255,8 @@ class HybridProposer:
     def propose_batch(self, requests: dict[SessionId, int], trees: Collection[SessionId] = ()
                       ) -> dict[SessionId, DraftProposal]:
         """Match rounds are drafted here; the model's rounds in one batched `propose_batch` call. `trees`:
-        sessions whose round may be a token tree (several match continuations, or the model's own tree)."""
+        sessions whose round is sequential (it ends in the bonus token): it may be a token tree (several match
+        continuations, or the model's own tree) or, with `match_tokens`, a match round longer than k."""
         out: dict[SessionId, DraftProposal] = {}
         model_requests: dict[SessionId, int] = {}
         for session, k in requests.items():
@@ -257,13 +265,15 @@ class HybridProposer:
             if k <= 0:
                 out[session] = DraftProposal([], None)
                 continue
-            drafts, estimate = self._choose(state, k)
+            drafts, estimate = self._choose(state, k, self.match_tokens if session in trees else 0)
             if drafts is None:
                 model_requests[session] = k
                 continue
             start = len(state.tokens)
             others = []
-            if session in trees and self.tree_width > 1:
+            if len(drafts) > k:
+                self.extended_rounds += 1  # a chain: its length, not siblings, is what this round spends
+            elif session in trees and self.tree_width > 1:
                 others = suffix_alternatives(state.tokens, len(drafts), self.max_ngram, self.min_match,
                                              self.tree_width - 1, {drafts[0]})
             state.tokens.extend(drafts)
@@ -291,11 +301,14 @@ class HybridProposer:
                 out[session] = proposal
         return {session: out[session] for session in requests}
 
-    def _choose(self, state: _Session, k: int) -> tuple[list[int] | None, tuple]:
-        """(the match's drafts, its estimate's key) when this round uses the match; (None, ()) for the model."""
-        drafts, match, pooled = self._lookup(state, k)
+    def _choose(self, state: _Session, k: int, extend_to: int = 0) -> tuple[list[int] | None, tuple]:
+        """(the match's drafts, its estimate's key) when this round uses the match; (None, ()) for the model.
+        `extend_to` > k: a match at least `extend_min` long proposes up to that many drafts."""
+        drafts, match, pooled = self._lookup(state, max(k, extend_to))
         if not drafts or match < self.min_match:
             return None, ()
+        if match < self.extend_min:
+            drafts = drafts[:k]
         estimate = (NGRAM, min(match, self.max_ngram))
         use = self.confident_match is not None and match >= self.confident_match
         if use:
@@ -415,5 +428,5 @@ class HybridProposer:
         out = {source: {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
                         "acceptance_rate": s.acceptance_rate} for source, s in self.stats.items()}
         out.update(pool_rounds=self.pool_rounds, confident_rounds=self.confident_rounds,
-                   probe_rounds=self.probe_rounds, pool_tokens=self._pool_size)
+                   probe_rounds=self.probe_rounds, pool_tokens=self._pool_size, extended_rounds=self.extended_rounds)
         return out

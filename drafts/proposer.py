@@ -40,6 +40,12 @@ class DraftProposal:
         return rows
 
 
+def shapes_sequential_rounds(proposer) -> bool:
+    """Whether the proposer drafts sequential rounds differently (`propose_batch(requests, trees=...)`): a
+    token tree (`tree_width` > 1) or a longer match round (the hybrid's `match_tokens`)."""
+    return getattr(proposer, "tree_width", 1) > 1 or getattr(proposer, "match_tokens", 0) > 0
+
+
 @runtime_checkable
 class Proposer(Protocol):
     name: str

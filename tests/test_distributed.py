@@ -120,6 +120,8 @@ def test_feature_fed_hybrid_greedy_equality(ray_local, prompt_ids, references):
         for ids, result in zip(prompt_ids, results):
             assert result.token_ids == references[tuple(ids)], f"diverged on {ids[:6]}..."
         assert sum(r.stats.accepted for r in results) > 0
+        # long match rounds (engine.match_tokens, on by default) crossed gRPC: more drafts than γ in a round
+        assert max(len(r.stats.gamma_counts) - 1 for r in results) > 3, [r.stats.gamma_counts for r in results]
         stats = ray.get(cluster.drafter.stats.remote())
         assert stats["proposals_without_features"] == 0, "the drafter got the target's features every round"
     finally:

@@ -369,3 +369,66 @@ def test_match_trees_greedy_equals_transformers(target_fp32, draft_int8, tokeniz
         assert result.token_ids == references[tuple(ids)][: len(result.token_ids)]
         assert len(result.token_ids) == MAX_TOKENS or result.finish_reason == "stop"
     assert hybrid.tree_rounds > 0 and decoder.metrics.tree_rounds == hybrid.tree_rounds  # the model drafts chains
+
+
+# -- long match rounds (`match_tokens`) ------------------------------------------------------------
+
+def test_a_long_match_proposes_match_tokens_in_sequential_rounds_only():
+    """A match of at least `extend_min` tokens proposes up to `match_tokens` in a sequential round (asked
+    with `trees`); a shorter match, or a pipelined round, proposes k; the model's rounds stay k long."""
+    from drafts.proposer import shapes_sequential_rounds
+
+    text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    hybrid = HybridProposer(FakeModel(), min_match=1, history_tokens=0, match_tokens=6, extend_min=3)
+    assert shapes_sequential_rounds(hybrid) and not shapes_sequential_rounds(HybridProposer(FakeModel()))
+    params = SamplingParams()
+    hybrid.start("long", text + [5, 6, 7], params)  # a 3-token match: [8 .. 13] follows it
+    hybrid.start("short", text + [1, 6, 7], params)  # a 2-token match
+    hybrid.start("pipelined", text + [5, 6, 7], params)
+    hybrid.start("model", [1, 2, 3], params)
+    out = hybrid.propose_batch({"long": 2, "short": 2, "pipelined": 2, "model": 2}, trees={"long", "short", "model"})
+    assert out["long"].token_ids == [8, 9, 10, 11, 12, 13] and out["long"].draft_probs is None
+    assert out["short"].token_ids == [8, 9] and out["pipelined"].token_ids == [8, 9]
+    assert out["model"].token_ids == [0, 0]
+    assert hybrid.extended_rounds == 1 and hybrid.report()["extended_rounds"] == 1
+    assert hybrid.tokens("long") == text + [5, 6, 7] + list(range(8, 14)) == hybrid.model.tokens("long")
+    hybrid.rollback("long", len(text) + 5, [0])  # two of six accepted
+    hybrid.learn("long", 6, 2)
+    assert hybrid.stats[NGRAM].drafted == 6 and hybrid.stats[NGRAM].accepted == 2
+    with pytest.raises(Exception, match="match_tokens"):
+        HybridProposer(FakeModel(), match_tokens=-1)
+
+
+LONG_PROMPT = [1, 4, 2, 7, 3, 1, 4, 2]  # [1, 4, 2] matches: a long match round
+
+
+def test_long_match_rounds_sample_the_target_and_stop_at_max_tokens(tiny_pair):
+    """Sequential rounds whose long matches propose more than γ = 1 drafts: the output follows the
+    target's distribution, and a round never runs past the request's end (the loop cuts it)."""
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(target, LONG_PROMPT, 3, params)
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=1, confident_match=3,
+                            history_tokens=0, match_tokens=8, extend_min=3)
+    decoder = SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 1)
+    samples, longest = [], 0
+    for i in range(2000):
+        result = decoder.generate(LONG_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3}))
+        samples.append(tuple(result.token_ids))
+        longest = max(longest, len(result.stats.gamma_counts) - 1)
+    assert hybrid.extended_rounds >= 2000 and longest == 2  # max_tokens 3: two drafts and the bonus
+    assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+    # the request's own cap holds for long match rounds too
+    capped = decoder.generate(LONG_PROMPT, params.model_copy(update={"seed": 0, "max_tokens": 3}), max_speculative_tokens=1)
+    assert len(capped.stats.gamma_counts) - 1 == 1 and capped.stats.drafted > 0
+
+
+def test_long_match_rounds_greedy_equals_transformers(target_fp32, draft_int8, tokenizer, prompt_ids, references):
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft")), match_tokens=8)
+    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"), hybrid, tokenizer, 3)
+    for ids in prompt_ids:
+        result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        assert result.token_ids == references[tuple(ids)][: len(result.token_ids)]
+        assert len(result.token_ids) == MAX_TOKENS or result.finish_reason == "stop"
+    assert hybrid.extended_rounds > 0, hybrid.report()
+    assert hybrid.num_sessions == 0

@@ -15,6 +15,7 @@ from cluster.pipeline_model import pipelined_ceiling
 from drafts.policy import SpeculationPolicyConfig
 from cluster.runtime import ClusterConfig, TandemCluster, init_local_ray
 from cluster.sampling import SamplingParams
+from cluster.stats import SpeculationStats
 from cluster.workloads import workload
 from drafts.cost_model import effective_alpha, predicted_speedup
 
@@ -41,6 +42,10 @@ def pin_threads(cpus: set[int]) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def _pin_actor(actor, cpus: set[int]) -> list[int]:
+    return ray.get(actor.__ray_call__.remote(lambda self, c: pin_threads(c), cpus))
+
+
 def pin_cluster(cluster: TandemCluster) -> dict:
     """The drafter on the last CPU, the verifier's ranks on the others: the models on cores of their own (the
     nearest a machine without accelerators comes to the drafter's own device); the router and Ray's own
@@ -51,10 +56,9 @@ def pin_cluster(cluster: TandemCluster) -> dict:
     pinned = {}
     for replica in cluster.replicas:
         for rank, actor in enumerate(replica.ranks):
-            pinned[f"{replica.name}/rank{rank}"] = ray.get(
-                actor.__ray_call__.remote(lambda self, c: pin_threads(c), set(cpus[:-1])))
+            pinned[f"{replica.name}/rank{rank}"] = _pin_actor(actor, set(cpus[:-1]))
     if cluster.drafter is not None:
-        pinned["drafter"] = ray.get(cluster.drafter.__ray_call__.remote(lambda self, c: pin_threads(c), {cpus[-1]}))
+        pinned["drafter"] = _pin_actor(cluster.drafter, {cpus[-1]})
     return pinned
 
 
@@ -102,31 +106,26 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
                 report["config"]["pinned"] = pin_cluster(cluster)
             cluster.generate(prompts[0], SamplingParams(max_tokens=8))  # warm-up
             drafter_before = ray.get(cluster.drafter.stats.remote()) if cluster.drafter else None
-            tokens, wall, verify_s, draft_s, drafted, accepted, rounds = 0, 0.0, 0.0, 0.0, 0, 0, 0
-            overheads, verify_steps, per_position = [], [], [[0, 0] for _ in range(gamma)]
+            tokens, wall = 0, 0.0
+            total = SpeculationStats(drafted_per_position=[0] * gamma, accepted_per_position=[0] * gamma)
+            overheads, verify_steps = [], []
             for ids in prompts:
                 timeline: list = []
                 t0 = time.perf_counter()
                 result = cluster.generate(ids, SamplingParams(max_tokens=max_tokens), timeline)
                 wall += time.perf_counter() - t0
-                s = result.stats
                 tokens += len(result.token_ids)
-                verify_s += s.verify_s
-                draft_s += s.draft_s
-                drafted, accepted, rounds = drafted + s.drafted, accepted + s.accepted, rounds + s.rounds
-                for i, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):
-                    while len(per_position) <= i:  # long match rounds draft more than γ
-                        per_position.append([0, 0])
-                    per_position[i][0] += d
-                    per_position[i][1] += a
+                total.merge(result.stats)  # per position too, past γ for long match rounds
                 for t in timeline:
                     verify_steps.append(t.verify_end - t.verify_start)
                     overheads.append((t.received - t.sent) - (t.verify_end - t.verify_start))
+            drafted, accepted, rounds, verify_s = total.drafted, total.accepted, total.rounds, total.verify_s
             row = {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "rounds": rounds,
                    "drafted": drafted, "accepted": accepted,
                    "acceptance_rate": accepted / drafted if drafted else 0.0,
                    "mean_accepted_length": tokens / rounds if rounds else 0.0,
-                   "acceptance_per_position": [a / d if d else 0.0 for d, a in per_position],
+                   "acceptance_per_position": [a / d if d else 0.0 for d, a in
+                                               zip(total.drafted_per_position, total.accepted_per_position)],
                    "verifier_idle_s": wall - verify_s, "verifier_busy_fraction": verify_s / wall,
                    "verify_step_ms": 1e3 * statistics.mean(verify_steps),
                    "router_grpc_overhead_ms": 1e3 * statistics.median(overheads)}

@@ -361,14 +361,21 @@ def test_match_trees_sample_the_target_and_siblings_win(tiny_pair):
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
 
 
-def test_match_trees_greedy_equals_transformers(target_fp32, draft_int8, tokenizer, prompt_ids, references):
-    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft")), tree_width=2)
+@pytest.mark.parametrize("shape", [{"tree_width": 2}, {"match_tokens": 8}], ids=["match_trees", "long_match_rounds"])
+def test_shaped_sequential_rounds_greedy_equal_transformers(target_fp32, draft_int8, tokenizer, prompt_ids, references,
+                                                           shape):
+    """Sequential match rounds as token trees, or longer than γ."""
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft")), **shape)
     decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"), hybrid, tokenizer, 3)
     for ids in prompt_ids:
         result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
         assert result.token_ids == references[tuple(ids)][: len(result.token_ids)]
         assert len(result.token_ids) == MAX_TOKENS or result.finish_reason == "stop"
-    assert hybrid.tree_rounds > 0 and decoder.metrics.tree_rounds == hybrid.tree_rounds  # the model drafts chains
+    if "tree_width" in shape:
+        assert hybrid.tree_rounds > 0 and decoder.metrics.tree_rounds == hybrid.tree_rounds  # the model drafts chains
+    else:
+        assert hybrid.extended_rounds > 0, hybrid.report()
+        assert hybrid.num_sessions == 0
 
 
 # -- long match rounds (`match_tokens`) ------------------------------------------------------------
@@ -421,14 +428,3 @@ def test_long_match_rounds_sample_the_target_and_stop_at_max_tokens(tiny_pair):
     # the request's own cap holds for long match rounds too
     capped = decoder.generate(LONG_PROMPT, params.model_copy(update={"seed": 0, "max_tokens": 3}), max_speculative_tokens=1)
     assert len(capped.stats.gamma_counts) - 1 == 1 and capped.stats.drafted > 0
-
-
-def test_long_match_rounds_greedy_equals_transformers(target_fp32, draft_int8, tokenizer, prompt_ids, references):
-    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft")), match_tokens=8)
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"), hybrid, tokenizer, 3)
-    for ids in prompt_ids:
-        result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
-        assert result.token_ids == references[tuple(ids)][: len(result.token_ids)]
-        assert len(result.token_ids) == MAX_TOKENS or result.finish_reason == "stop"
-    assert hybrid.extended_rounds > 0, hybrid.report()
-    assert hybrid.num_sessions == 0

@@ -24,12 +24,15 @@ MODES = {  # mode -> (proposer on, pipeline_depth, fill_bubbles, extra ClusterCo
     "sequential": (True, 1, False, {}),
     "sequential_tree": (True, 1, False, {"tree_width": 2}),  # top-2 siblings at the first draft position
     "sequential_gamma_matches": (True, 1, False, {"match_tokens": 0}),  # the hybrid's match rounds γ long
+    "sequential_drafter_matches": (True, 1, False, {"own_matches": False}),  # the drafter finds every match
+    # γ per session from the speculation policy, as `tandem serve` runs it (ray_config.yaml)
+    "sequential_adaptive": (True, 1, False, {"speculation": SpeculationPolicyConfig(saturation_sessions=8)}),
     "pipelined": (True, 2, True, {}),  # the depth-2 chain with filled bubbles
     "pipelined_no_fill": (True, 2, False, {}),  # the same without plain steps in the post-rejection bubble
     "continuous": (True, 1, False, {"continuous": True}),  # drafting ahead, instant cancel
     "continuous_depth2": (True, 2, False, {"continuous": True}),
 }
-ENGINE_FIELDS = {"tree_width", "match_tokens"}
+ENGINE_FIELDS = {"tree_width", "match_tokens", "own_matches"}
 
 
 def pin_threads(cpus: set[int]) -> list[int]:
@@ -97,9 +100,9 @@ def run_distributed_bench(workload_name: str = "humaneval", num_prompts: int = 8
             continue
         engine = EngineConfig(proposer=proposer if speculate else "none", num_speculative_tokens=gamma if speculate else 0,
                               dtype=dtype, threads=1, draft=draft, **{k: v for k, v in extra.items() if k in ENGINE_FIELDS})
-        cluster = TandemCluster(ClusterConfig(engine=engine, pipeline_depth=depth, fill_bubbles=fill,
-                                              speculation=SpeculationPolicyConfig(adaptive=False),  # γ as asked
-                                              **{k: v for k, v in extra.items() if k not in ENGINE_FIELDS}))
+        config = {"speculation": SpeculationPolicyConfig(adaptive=False)}  # γ as asked, unless the mode says
+        config.update({k: v for k, v in extra.items() if k not in ENGINE_FIELDS})
+        cluster = TandemCluster(ClusterConfig(engine=engine, pipeline_depth=depth, fill_bubbles=fill, **config))
         try:
             prompts = [encode_prompt(cluster.tokenizer, t, chat) for t in texts]
             if pin_cpus:

@@ -25,6 +25,7 @@ from cluster.loop_state import (CostEstimates, InFlight, LoopConfig, LoopMetrics
 from cluster.messages import DraftReply, FeatureLog, SyncOp
 from cluster.ports import DrafterPort, VerifierPort
 from cluster.stopping import StopChecker
+from drafts.hybrid import OwnMatch
 
 __all__ = ["CostEstimates", "InFlight", "LoopConfig", "LoopMetrics", "RoundTiming", "SessionLoop", "SessionState"]
 
@@ -33,8 +34,12 @@ class SessionLoop:
     def __init__(self, state: SessionState, drafter: DrafterPort | None, stops: StopChecker, config: LoopConfig,
                  estimates: CostEstimates, metrics: LoopMetrics,
                  on_tokens: Callable[[list[int]], None] | None = None,
-                 cancelled: threading.Event | None = None, timeline: list[RoundTiming] | None = None):
+                 cancelled: threading.Event | None = None, timeline: list[RoundTiming] | None = None,
+                 own_match: OwnMatch | None = None):
+        """`own_match`: a sequential round (or a plain step the policy chose) whose committed tokens' own
+        suffix matches long enough sends the match, drafted here: no drafter call (the hybrid's long match rounds)."""
         self.state, self.drafter, self.stops, self.config = state, drafter, stops, config
+        self.own_match = own_match
         self.estimates, self.metrics = estimates, metrics
         self.on_tokens, self.cancelled, self.timeline = on_tokens, cancelled, timeline
         if self.needs_features:
@@ -76,14 +81,28 @@ class SessionLoop:
         self.state.stats.draft_s += seconds
         self.estimates.record_draft(seconds, num_drafts)
 
+    def _own_round(self, remaining: int, verifier_sessions: int) -> DraftReply | None:
+        """The session's own suffix match (`own_match`), within the request's end and its own cap on drafts;
+        None without one, or while the verifiers are saturated (there a plain step's batch is cheapest)."""
+        s = self.state
+        if self.own_match is None or s.max_gamma <= 0 or s.policy.saturated(verifier_sessions):
+            return None
+        limit = min(remaining - 1, s.max_drafts if s.max_drafts is not None else remaining)
+        drafts = self.own_match.propose(s.committed, limit)
+        if not drafts:
+            return None
+        t = time.time()
+        return DraftReply(drafts, None, t, t, 1)
+
     def _send(self, verifier: VerifierPort, p: PipelineState, draft: DraftReply | None, bonus: bool,
-              timing: RoundTiming) -> None:
+              timing: RoundTiming, own: bool = False) -> None:
         chain = draft.chain() if draft is not None else []
         num_drafts = len(chain)
         verifier.send(timing.round, p.epoch, bonus, draft)
         timing.sent = time.time()
         tree_chain = chain if draft is not None and draft.parents is not None else None
-        p.in_flight.append(InFlight(timing, p.epoch, num_drafts, tree_chain=tree_chain))
+        p.in_flight.append(InFlight(timing, p.epoch, num_drafts, tree_chain=tree_chain, own_match=own))
+        self.metrics.add(own_match_rounds=int(own))
         p.optimistic += num_drafts
         self.state.stats.record_gamma(num_drafts)
 
@@ -161,9 +180,9 @@ class SessionLoop:
                     p.fill = (timing.round, pending)
                     self.metrics.add(bubble_fills=1)
                     return
-            t0 = time.time()
-            draft = None
-            if k > 0 and self.drafting:
+            t0 = time.time()  # a sequential round takes the session's own match first (no drafter call)
+            draft = own = self._own_round(remaining, p.verifier_sessions) if sequential else None
+            if own is None and k > 0 and self.drafting:
                 draft = self.drafter.result(self.drafter.propose(k, s.take_sync(), tree=bonus))
                 if draft is not None and not draft.token_ids:
                     draft = None
@@ -177,14 +196,16 @@ class SessionLoop:
             if draft is None:
                 if live:
                     return  # nothing to add: wait for the rounds in flight
-                bonus = True  # a plain decoding step
+                bonus = True  # a plain decoding step, or the session's own match in its place
+                draft = own = None if sequential else self._own_round(remaining, p.verifier_sessions)
             if not sequential and not p.in_flight and stats.rounds > 0:
                 self.metrics.add(pipeline_stalls=1)  # the verifier had nothing queued for this session
-            self._send(verifier, p, draft, bonus, RoundTiming(next(p.round_ids), t0, t1))
+            self._send(verifier, p, draft, bonus, RoundTiming(next(p.round_ids), t0, t1), own is not None)
             if sequential and config.pipeline_depth > 1:
                 self.metrics.add(shared_sequential_rounds=1)
             live += 1
-            self._record_draft(t1 - t0, len(draft.chain()) if draft is not None else 0)
+            if own is None:  # an own match round teaches the drafter's cost estimate nothing
+                self._record_draft(t1 - t0, len(draft.chain()) if draft is not None else 0)
             if bonus:
                 return  # the next round starts from this one's bonus token
 
@@ -227,13 +248,17 @@ class SessionLoop:
             self.timeline.append(timing)
         p.optimistic -= entry.num_drafts
         stats.record_round(entry.num_drafts, result.num_accepted)
-        s.policy.learn(entry.num_drafts, result.num_accepted)
+        if not entry.own_match:  # the policy's α is the drafter's
+            s.policy.learn(entry.num_drafts, result.num_accepted)
         self.metrics.add(rounds=1)
         new_tokens = list(result.output_token_ids)
         s.committed.extend(new_tokens)
         op = SyncOp(num_drafted=entry.num_drafts, num_accepted=result.num_accepted)
         if result.recovered or result.bonus:  # the drafter continues from the corrected token
             op = SyncOp(len(s.committed) - 1, new_tokens[-1:], entry.num_drafts, result.num_accepted)
+        if entry.own_match:  # the drafter never saw these drafts: it reads the round's tokens, learns nothing
+            op = SyncOp(len(s.committed) - len(new_tokens), new_tokens)
+            self.metrics.add(own_match_accepted=result.num_accepted)
         if entry.tree_chain is not None:
             self.metrics.add(tree_rounds=1)
             if new_tokens[:-1] != entry.tree_chain[: len(new_tokens) - 1]:

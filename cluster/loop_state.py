@@ -48,6 +48,8 @@ class LoopMetrics:
     shared_sequential_rounds: int = 0  # rounds sent sequentially (not pipelined) because the verifier was shared
     tree_rounds: int = 0  # rounds whose drafts were a token tree (siblings at the first position)
     tree_branch_hits: int = 0  # ... whose accepted branch left the drafter's own chain (a sibling won)
+    own_match_rounds: int = 0  # plain steps replaced by the session's own suffix match (`SessionLoop.own_match`)
+    own_match_accepted: int = 0  # ... drafts of those rounds accepted
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -99,6 +101,7 @@ class InFlight:
     num_drafts: int  # the drafts' chain (a token tree's siblings are not counted)
     stale: bool = False  # drafted before a rejection: its answer commits nothing
     tree_chain: list[int] | None = None  # a token tree's round: the drafter's own continuation
+    own_match: bool = False  # drafted by the loop itself (`SessionLoop.own_match`), not the drafter
 
 
 @dataclass

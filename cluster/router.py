@@ -27,6 +27,7 @@ from cluster.speculate import validate_request
 from cluster.stats import GenerationResult, SpeculationStats
 from cluster.stopping import StopChecker
 from cluster.verifier_pool import StaticDrafter, StaticVerifierPool, VerifierReplicaHandle
+from drafts.hybrid import OwnMatch
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from protos import pb
 
@@ -44,9 +45,10 @@ class Router:
                  max_context: int = 8192, max_replays: int = 3, balance_pipeline: bool = True,
                  policy: SpeculationPolicyConfig | None = None, fill_bubbles: bool = True,
                  pipeline_max_sessions: int = 1, continuous: bool = False, lookahead: int = 8,
-                 fill_min_redraft: float = 0.5, draft_features: bool = False):
+                 fill_min_redraft: float = 0.5, draft_features: bool = False, own_match: OwnMatch | None = None):
         """`policy` None: γ is not adaptive (drafts the maximum every round). `draft_features`: the drafter's
-        proposer is feature-fed (sessions ask their verifier for the target's features)."""
+        proposer is feature-fed (sessions ask their verifier for the target's features). `own_match`: a plain
+        step the policy chooses becomes a match of the session's own suffix when there is one (`SessionLoop`)."""
         if pipeline_depth < 1:
             raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
         self.pool = StaticVerifierPool(pool) if isinstance(pool, (list, tuple)) else pool
@@ -54,6 +56,7 @@ class Router:
             drafter = StaticDrafter(drafter)
         self.drafter = drafter
         self.draft_features = draft_features
+        self.own_match = own_match if drafter is not None else None
         if draft_features and continuous:
             raise ConfigError("continuous drafting does not feed a feature-fed draft: set continuous: false")
         self.tokenizer = tokenizer
@@ -81,7 +84,7 @@ class Router:
         """The one way both runtimes (`TandemCluster`, the Serve router deployment) build their router:
         `config` a `LoopConfig` (or either runtime's config), `engine` the `EngineConfig`, `model_config`
         the target's transformers config."""
-        from cluster.engine import needs_features
+        from cluster.engine import needs_features, own_match
 
         eos = model_config.eos_token_id
         return cls(pool, drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
@@ -90,7 +93,7 @@ class Router:
                    policy=config.speculation, fill_bubbles=config.fill_bubbles,
                    pipeline_max_sessions=config.pipeline_max_sessions, continuous=config.continuous,
                    lookahead=config.lookahead, fill_min_redraft=config.fill_min_redraft,
-                   draft_features=needs_features(engine))
+                   draft_features=needs_features(engine), own_match=own_match(engine))
 
     @property
     def replicas(self) -> list[VerifierReplicaHandle]:
@@ -104,7 +107,7 @@ class Router:
     def _saturated(self) -> bool:
         """Whether the verifiers were saturated at the last look (speculation policy's threshold)."""
         threshold = self.policy.config.saturation_sessions
-        return bool(threshold) and self.policy.config.adaptive and self.estimates.last_load >= threshold
+        return bool(threshold) and self.estimates.last_load >= threshold
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -184,7 +187,7 @@ class Router:
                 if not self.loop_config.continuous \
                 else RayAheadPort(acquire, session, params, self.metrics, self.loop_config.lookahead)
         loop = SessionLoop(state, drafter, StopChecker(self.tokenizer, self.eos_token_ids, params), self.loop_config,
-                           self.estimates, self.metrics, on_tokens, cancelled, timeline)
+                           self.estimates, self.metrics, on_tokens, cancelled, timeline, self.own_match)
         drafter_started = None
         if drafter is not None and not self._saturated():  # the draft prefill overlaps the target's
             drafter_started = self._setup.submit(drafter.start, list(state.committed))

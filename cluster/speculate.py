@@ -24,6 +24,7 @@ from cluster.sampling import SamplingParams
 from cluster.stats import GenerationResult, SpeculationStats
 from cluster.stopping import StopChecker
 from cluster.verifier import VerifierEngine
+from drafts.hybrid import HybridProposer, OwnMatch
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from drafts.proposer import Proposer
 
@@ -59,9 +60,11 @@ class SpeculativeDecoder:
                  num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] | None = None,
                  policy: SpeculationPolicy | None = None, pipeline_depth: int = 1, fill_bubbles: bool = True,
                  balance_pipeline: bool = False, overlap: bool = False, fill_min_redraft: float = 0.5,
-                 continuous: bool = False, lookahead: int = 8):
+                 continuous: bool = False, lookahead: int = 8, own_matches: bool = True):
         """`policy`: a `drafts.policy.SpeculationPolicy` choosing γ per round (≤ num_speculative_tokens)
-        from the session's running α and the measured cost ratio; None drafts γ every round."""
+        from the session's running α and the measured cost ratio; None drafts γ every round. `own_matches`: with
+        a hybrid proposer with long match rounds, the loop drafts long matches of the session's own suffix
+        itself (`SessionLoop.own_match`), in sequential rounds and in the plain steps the policy chooses."""
         if num_speculative_tokens < 0:
             raise InvalidRequestError(f"{num_speculative_tokens=} must be >= 0")
         if pipeline_depth < 1:
@@ -85,6 +88,9 @@ class SpeculativeDecoder:
                                       continuous=continuous, lookahead=lookahead)
         # continuous drafting: the proposer drafts ahead in a thread of its own (`cluster.draft_ahead`)
         self.ahead = DraftAhead(proposer) if continuous and proposer is not None else None
+        match_tokens = getattr(proposer, "match_tokens", 0) if isinstance(proposer, HybridProposer) else 0
+        self.own_match = OwnMatch(match_tokens, proposer.extend_min, proposer.max_ngram) \
+            if own_matches and match_tokens > self.num_speculative_tokens and not continuous else None
         self.estimates = CostEstimates()
         self.metrics = LoopMetrics()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter") if overlap else None
@@ -114,7 +120,7 @@ class SpeculativeDecoder:
         state = SessionState(session, params, list(prompt_ids), [], stats, self.policy.session(), max_gamma,
                              max_drafts=max_speculative_tokens)
         loop = SessionLoop(state, drafter, StopChecker(self.tokenizer, self.eos_token_ids, params), self.loop_config,
-                           self.estimates, self.metrics)
+                           self.estimates, self.metrics, own_match=self.own_match)
         # the last prompt token is fed with the first round's drafts
         loop.add_features(0, verifier.open(prompt_ids, params, features=loop.needs_features))
         try:

@@ -74,6 +74,26 @@ def suffix_match(tokens: Sequence[int], corpus: Sequence[int], k: int, max_ngram
     return [], 0
 
 
+@dataclass(frozen=True)
+class OwnMatch:
+    """The match the session loop drafts itself when its policy sends a plain step (γ 0): up to
+    `max_tokens` tokens that followed the longest earlier match of the committed tokens' own suffix, when
+    that match is at least `min_match` tokens long (the hybrid's long match rounds, `match_tokens` and
+    `extend_min`). It costs no drafter call, so a session the policy keeps off the draft model still gets
+    its free rounds. Lossless like any match round: the drafts depend only on the committed tokens."""
+
+    max_tokens: int = 16
+    min_match: int = 4
+    max_ngram: int = 3
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        k = min(limit, self.max_tokens)
+        if k <= 0:
+            return []
+        drafts, match = suffix_match(tokens, tokens, k, self.max_ngram, 1, max(self.max_ngram, self.min_match, 8))
+        return drafts if match >= self.min_match else []
+
+
 def suffix_alternatives(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int, width: int,
                         exclude: Collection[int]) -> list[list[int]]:
     """Up to `width` other continuations of `tokens`' own suffix, each up to `k` tokens long, whose first

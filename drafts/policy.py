@@ -27,7 +27,7 @@ class SpeculationPolicyConfig(BaseModel):
     verify_token_cost: float = Field(0.03, ge=0.0, description="Extra verify time per drafted token, as a fraction of one target step.")
     min_speedup: float = Field(1.05, ge=1.0, description="Draft only when the predicted speedup reaches this; else plain decoding.")
     min_remaining_tokens: int = Field(2, ge=1, description="Plain decoding when fewer tokens than this are left to generate.")
-    saturation_sessions: int = Field(0, ge=0, description="Plain decoding when a verifier replica holds at least this many sessions (0: never).")
+    saturation_sessions: int = Field(0, ge=0, description="Plain decoding when a verifier replica holds at least this many sessions (0: never); applies with adaptive: false too.")
     probe_every: int = Field(16, ge=1, description="A session at γ = 0 drafts one token every this many rounds to re-estimate α.")
 
 
@@ -76,19 +76,22 @@ class SessionPolicy:
         self._successes = (1 - w) * self._successes + w * num_accepted
         self._trials = (1 - w) * self._trials + w * (num_accepted + rejected)
 
+    def saturated(self, verifier_sessions: int) -> bool:
+        """Whether the verifier replica holds so many sessions that plain decoding is chosen (adaptive or not)."""
+        config = self.policy.config
+        return bool(config.saturation_sessions and verifier_sessions >= config.saturation_sessions)
+
     def gamma(self, remaining: int, limit: int | None = None, cost_ratio: float | None = None,
               verifier_sessions: int = 0, pipelined: bool | None = None) -> int:
         """Drafts for the next round: at most `limit` (default: max_gamma and remaining − 1, leaving
         room for the round's own recovered or bonus token)."""
         config, policy = self.policy.config, self.policy
         limit = min(policy.max_gamma, remaining - 1 if limit is None else limit)
-        if limit <= 0:
+        if limit <= 0 or self.saturated(verifier_sessions):
             return 0
         if not config.adaptive:
             return limit
         if remaining < config.min_remaining_tokens:
-            return 0
-        if config.saturation_sessions and verifier_sessions >= config.saturation_sessions:
             return 0
         gamma, _ = policy.best_gamma(self.alpha, cost_ratio or config.prior_cost_ratio, pipelined)
         if gamma == 0:

@@ -122,6 +122,16 @@ def test_feature_fed_hybrid_greedy_equality(ray_local, prompt_ids, references):
         assert sum(r.stats.accepted for r in results) > 0
         # long match rounds (engine.match_tokens, on by default) crossed gRPC: more drafts than γ in a round
         assert max(len(r.stats.gamma_counts) - 1 for r in results) > 3, [r.stats.gamma_counts for r in results]
+        # a policy that sends plain steps (probing γ 1 every other round): the router drafts the session's
+        # own suffix matches in their place; the drafter, fed the target's features of those rounds too,
+        # goes on from the committed tokens
+        from drafts.policy import SpeculationPolicy
+
+        assert cluster.router.own_match is not None
+        cluster.router.policy = SpeculationPolicy(SpeculationPolicyConfig(min_speedup=100.0, probe_every=2), 3)
+        for ids in prompt_ids[2:4]:  # their greedy continuations repeat 4-token runs of their own
+            assert cluster.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)).token_ids == references[tuple(ids)]
+        assert cluster.router.metrics.own_match_rounds > 0 and cluster.router.metrics.own_match_accepted > 0
         stats = ray.get(cluster.drafter.stats.remote())
         assert stats["proposals_without_features"] == 0, "the drafter got the target's features every round"
     finally:

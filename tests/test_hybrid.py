@@ -364,7 +364,8 @@ def test_match_trees_sample_the_target_and_siblings_win(tiny_pair):
 @pytest.mark.parametrize("shape", [{"tree_width": 2}, {"match_tokens": 8}], ids=["match_trees", "long_match_rounds"])
 def test_shaped_sequential_rounds_greedy_equal_transformers(target_fp32, draft_int8, tokenizer, prompt_ids, references,
                                                            shape):
-    """Sequential match rounds as token trees, or longer than γ."""
+    """Sequential match rounds as token trees, or longer than γ (the session's own long matches are drafted
+    by the loop itself: `own_match`)."""
     hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft")), **shape)
     decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"), hybrid, tokenizer, 3)
     for ids in prompt_ids:
@@ -374,7 +375,7 @@ def test_shaped_sequential_rounds_greedy_equal_transformers(target_fp32, draft_i
     if "tree_width" in shape:
         assert hybrid.tree_rounds > 0 and decoder.metrics.tree_rounds == hybrid.tree_rounds  # the model drafts chains
     else:
-        assert hybrid.extended_rounds > 0, hybrid.report()
+        assert decoder.metrics.own_match_rounds > 0 and decoder.metrics.own_match_accepted > 0, decoder.metrics
         assert hybrid.num_sessions == 0
 
 
@@ -417,7 +418,7 @@ def test_long_match_rounds_sample_the_target_and_stop_at_max_tokens(tiny_pair):
     exact = exact_continuation_probs(target, LONG_PROMPT, 3, params)
     hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=1, confident_match=3,
                             history_tokens=0, match_tokens=8, extend_min=3)
-    decoder = SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 1)
+    decoder = SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 1, own_matches=False)  # the hybrid's own
     samples, longest = [], 0
     for i in range(2000):
         result = decoder.generate(LONG_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3}))
@@ -428,3 +429,72 @@ def test_long_match_rounds_sample_the_target_and_stop_at_max_tokens(tiny_pair):
     # the request's own cap holds for long match rounds too
     capped = decoder.generate(LONG_PROMPT, params.model_copy(update={"seed": 0, "max_tokens": 3}), max_speculative_tokens=1)
     assert len(capped.stats.gamma_counts) - 1 == 1 and capped.stats.drafted > 0
+
+
+# -- own-suffix matches in the policy's plain steps (`SessionLoop.own_match`) -------------------------
+
+class _Watched(HybridProposer):
+    """Records the sequence it stands on at every propose (it must be the session's committed tokens)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen: list[list[int]] = []
+
+    def propose_batch(self, requests, trees=()):
+        self.seen.extend(list(self.tokens(s)) for s in requests)
+        return super().propose_batch(requests, trees)
+
+
+def _never_drafting(gamma: int, probe_every: int):
+    """An adaptive policy that predicts no draft pays (plain steps), probing γ 1 every `probe_every` rounds."""
+    from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
+
+    return SpeculationPolicy(SpeculationPolicyConfig(min_speedup=100.0, probe_every=probe_every), gamma)
+
+
+def test_own_matches_replace_plain_steps_sample_the_target_and_keep_the_drafter_in_step(tiny_pair):
+    """A policy that sends plain steps: where the committed tokens' own suffix matches at least
+    `extend_min` tokens, the loop drafts that match itself (no drafter call). The output follows the
+    target's distribution; the drafter, asked only in probe rounds, always stands on the committed tokens;
+    a request's cap of 0 drafts gets plain steps only."""
+    from drafts.hybrid import OwnMatch
+
+    assert OwnMatch(4, min_match=3).propose([1, 4, 2, 7, 3, 1, 4, 2], 8) == [7, 3, 1, 4]
+    assert OwnMatch(4, min_match=4).propose([1, 4, 2, 7, 3, 1, 4, 2], 8) == []  # a 3-token match
+    assert OwnMatch(4, min_match=3).propose([1, 4, 2, 7, 3, 1, 4, 2], 2) == [7, 3]  # the loop's limit
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuation_probs(target, LONG_PROMPT, 3, params)
+
+    def decoder(probe_every):
+        hybrid = _Watched(DraftModelProposer(TorchModelRunner(draft)), min_match=1, history_tokens=0,
+                          match_tokens=8, extend_min=3)
+        return hybrid, SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 2,
+                                          policy=_never_drafting(2, probe_every))
+
+    hybrid, spec = decoder(10_000)
+    samples = [tuple(spec.generate(LONG_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})).token_ids)
+               for i in range(2000)]
+    assert spec.metrics.own_match_rounds >= 2000 and hybrid.stats[MODEL].rounds == hybrid.stats[NGRAM].rounds == 0
+    assert 0 < spec.metrics.own_match_accepted < 2 * spec.metrics.own_match_rounds
+    assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+    # longer requests: probe rounds ask the drafter after own rounds; it stands on the committed tokens
+    hybrid, spec = decoder(2)
+    for seed in range(8):
+        before = len(hybrid.seen)
+        out = spec.generate(LONG_PROMPT, params.model_copy(update={"seed": seed, "max_tokens": 24}))
+        full = LONG_PROMPT + out.token_ids
+        assert all(full[:len(seen)] == seen for seen in hybrid.seen[before:]), (hybrid.seen[before:], full)
+    assert spec.metrics.own_match_rounds > 0 and hybrid.stats[MODEL].rounds > 0
+    rounds = spec.metrics.own_match_rounds
+    spec.generate(LONG_PROMPT, params.model_copy(update={"seed": 0, "max_tokens": 24}), max_speculative_tokens=0)
+    assert spec.metrics.own_match_rounds == rounds
+
+
+def test_own_match_follows_the_engine_config():
+    from cluster.engine import own_match
+
+    assert own_match(EngineConfig.build(proposer="hybrid")).max_tokens == 16
+    assert own_match(EngineConfig.build(proposer="hybrid", match_tokens=3)) is None  # not longer than γ
+    assert own_match(EngineConfig.build(proposer="draft")) is None
+    assert own_match(EngineConfig.build(proposer="hybrid", own_matches=False)) is None

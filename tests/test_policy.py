@@ -45,6 +45,8 @@ def test_plain_decoding_when_speculation_cannot_pay():
     slow = [session.gamma(remaining=100, cost_ratio=2.0) for _ in range(8)]
     assert slow.count(1) == 2 and set(slow) == {0, 1}
     assert SpeculationPolicy(SpeculationPolicyConfig(adaptive=False), 4).session().gamma(100, cost_ratio=9) == 4
+    fixed = SpeculationPolicy(SpeculationPolicyConfig(adaptive=False, saturation_sessions=8), 4).session()
+    assert fixed.gamma(100, cost_ratio=9, verifier_sessions=7) == 4 and fixed.gamma(100, verifier_sessions=8) == 0
 
 
 def test_pipelined_policy_prefers_longer_drafts_when_drafting_is_cheap_relative_to_verify():

@@ -42,7 +42,7 @@ class EngineConfig(BaseModel):
     max_ngram: int = Field(3, ge=1, le=16, description="Longest n-gram the prompt-lookup proposer matches.")
     tree_width: int = Field(1, ge=1, le=4, description="Sequential rounds, verified as a token tree in one forward: the draft model's candidates at the first draft position (its most likely tokens); the hybrid's match rounds: up to this many continuations of the session's own suffix with different first tokens. 1 drafts a chain.")
     match_tokens: int = Field(16, ge=0, le=32, description="Proposer 'hybrid', sequential rounds: a suffix match at least 4 tokens long proposes up to this many tokens of its continuation instead of γ (a long match tends to go on; its drafts cost nothing and verifying more of them little; BENCHMARKS.md). 0 (or at most γ): match rounds are γ long like the model's.")
-    own_matches: bool = Field(True, description="Proposer 'hybrid' with long match rounds: when the speculation policy sends a plain step (it predicts that the draft model does not pay), the router drafts a match of the session's own suffix at least 4 tokens long in its place, up to match_tokens, without calling the drafter (BENCHMARKS.md).")
+    own_matches: bool = Field(True, description="Proposer 'hybrid' with long match rounds: the router drafts a match of the session's own suffix at least 4 tokens long itself, up to match_tokens, without calling the drafter: in sequential rounds, and in place of the plain steps the speculation policy chooses (BENCHMARKS.md).")
     network: NetworkConfig = Field(default_factory=NetworkConfig, description="The verifier's internal gRPC service: the address it binds and advertises ('node' or 'loopback') and optional TLS; calls always need the cluster secret.")
     backend: Literal["torch", "vllm"] = Field("torch", description="Target engine: 'torch' (tandem's own runner over transformers' models, the default) or 'vllm' (vLLM owns the target and its decoding loop; tandem's drafter proposes through vLLM's custom proposer class; needs `pip install -e '.[vllm]'`).")
 
@@ -61,10 +61,10 @@ def needs_features(config: EngineConfig) -> bool:
 
 
 def own_match(config: EngineConfig) -> OwnMatch | None:
-    """The hybrid's long match rounds, for the session loop to draft itself when its policy drafts nothing."""
-    if not config.own_matches or config.proposer != "hybrid" or config.match_tokens <= config.num_speculative_tokens:
+    """The hybrid's long match rounds of the session's own tokens, for the session loop to draft itself."""
+    if not config.own_matches or config.proposer != "hybrid":
         return None
-    return OwnMatch(config.match_tokens, max_ngram=config.max_ngram)
+    return OwnMatch.for_rounds(config.match_tokens, config.num_speculative_tokens, max_ngram=config.max_ngram)
 
 
 def make_proposer(config: EngineConfig, target_model: torch.nn.Module, target_tokenizer) -> Proposer | None:

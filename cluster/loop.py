@@ -102,7 +102,8 @@ class SessionLoop:
         timing.sent = time.time()
         tree_chain = chain if draft is not None and draft.parents is not None else None
         p.in_flight.append(InFlight(timing, p.epoch, num_drafts, tree_chain=tree_chain, own_match=own))
-        self.metrics.add(own_match_rounds=int(own))
+        if own:
+            self.metrics.add(own_match_rounds=1)
         p.optimistic += num_drafts
         self.state.stats.record_gamma(num_drafts)
 

@@ -47,8 +47,9 @@ class Router:
                  pipeline_max_sessions: int = 1, continuous: bool = False, lookahead: int = 8,
                  fill_min_redraft: float = 0.5, draft_features: bool = False, own_match: OwnMatch | None = None):
         """`policy` None: γ is not adaptive (drafts the maximum every round). `draft_features`: the drafter's
-        proposer is feature-fed (sessions ask their verifier for the target's features). `own_match`: a plain
-        step the policy chooses becomes a match of the session's own suffix when there is one (`SessionLoop`)."""
+        proposer is feature-fed (sessions ask their verifier for the target's features). `own_match`: sequential
+        rounds and the plain steps the policy chooses send a match of the session's own suffix when there is one,
+        drafted by the router (`SessionLoop`)."""
         if pipeline_depth < 1:
             raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
         self.pool = StaticVerifierPool(pool) if isinstance(pool, (list, tuple)) else pool

@@ -88,9 +88,9 @@ class SpeculativeDecoder:
                                       continuous=continuous, lookahead=lookahead)
         # continuous drafting: the proposer drafts ahead in a thread of its own (`cluster.draft_ahead`)
         self.ahead = DraftAhead(proposer) if continuous and proposer is not None else None
-        match_tokens = getattr(proposer, "match_tokens", 0) if isinstance(proposer, HybridProposer) else 0
-        self.own_match = OwnMatch(match_tokens, proposer.extend_min, proposer.max_ngram) \
-            if own_matches and match_tokens > self.num_speculative_tokens and not continuous else None
+        self.own_match = OwnMatch.for_rounds(proposer.match_tokens, self.num_speculative_tokens, proposer.extend_min,
+                                             proposer.max_ngram) \
+            if own_matches and isinstance(proposer, HybridProposer) and not continuous else None
         self.estimates = CostEstimates()
         self.metrics = LoopMetrics()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter") if overlap else None

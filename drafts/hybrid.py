@@ -76,21 +76,28 @@ def suffix_match(tokens: Sequence[int], corpus: Sequence[int], k: int, max_ngram
 
 @dataclass(frozen=True)
 class OwnMatch:
-    """The match the session loop drafts itself when its policy sends a plain step (γ 0): up to
-    `max_tokens` tokens that followed the longest earlier match of the committed tokens' own suffix, when
-    that match is at least `min_match` tokens long (the hybrid's long match rounds, `match_tokens` and
-    `extend_min`). It costs no drafter call, so a session the policy keeps off the draft model still gets
-    its free rounds. Lossless like any match round: the drafts depend only on the committed tokens."""
+    """The match the session loop drafts itself (in sequential rounds, and in place of the plain steps its
+    policy chooses): up to `max_tokens` tokens that followed the longest earlier match of the committed
+    tokens' own suffix, when that match is at least `min_match` tokens long (the hybrid's long match rounds,
+    `match_tokens` and `extend_min`). It costs no drafter call. Lossless like any match round: the drafts
+    depend only on the committed tokens."""
 
     max_tokens: int = 16
     min_match: int = 4
     max_ngram: int = 3
+    max_match: int = 8  # how far back a match is extended to rank occurrences (the hybrid's confident_match)
+
+    @classmethod
+    def for_rounds(cls, match_tokens: int, gamma: int, min_match: int = 4, max_ngram: int = 3) -> "OwnMatch | None":
+        """The loop's own matches for a hybrid with long match rounds (`match_tokens` > γ); None otherwise."""
+        return cls(match_tokens, min_match, max_ngram) if match_tokens > gamma else None
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         k = min(limit, self.max_tokens)
         if k <= 0:
             return []
-        drafts, match = suffix_match(tokens, tokens, k, self.max_ngram, 1, max(self.max_ngram, self.min_match, 8))
+        drafts, match = suffix_match(tokens, tokens, k, self.max_ngram, 1,
+                                     max(self.max_ngram, self.min_match, self.max_match))
         return drafts if match >= self.min_match else []
 
 

@@ -12,7 +12,8 @@ from cluster.runner import TorchModelRunner
 from cluster.sampling import SamplingParams
 from cluster.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
-from drafts.hybrid import MODEL, NGRAM, HybridProposer, SourceStats, suffix_match
+from drafts.hybrid import MODEL, NGRAM, HybridProposer, OwnMatch, SourceStats, suffix_match
+from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from drafts.proposer import DraftProposal, Proposer, SequenceProposer
 from tests.helpers import tiny_llama
 from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
@@ -447,8 +448,6 @@ class _Watched(HybridProposer):
 
 def _never_drafting(gamma: int, probe_every: int):
     """An adaptive policy that predicts no draft pays (plain steps), probing γ 1 every `probe_every` rounds."""
-    from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
-
     return SpeculationPolicy(SpeculationPolicyConfig(min_speedup=100.0, probe_every=probe_every), gamma)
 
 
@@ -457,8 +456,6 @@ def test_own_matches_replace_plain_steps_sample_the_target_and_keep_the_drafter_
     `extend_min` tokens, the loop drafts that match itself (no drafter call). The output follows the
     target's distribution; the drafter, asked only in probe rounds, always stands on the committed tokens;
     a request's cap of 0 drafts gets plain steps only."""
-    from drafts.hybrid import OwnMatch
-
     assert OwnMatch(4, min_match=3).propose([1, 4, 2, 7, 3, 1, 4, 2], 8) == [7, 3, 1, 4]
     assert OwnMatch(4, min_match=4).propose([1, 4, 2, 7, 3, 1, 4, 2], 8) == []  # a 3-token match
     assert OwnMatch(4, min_match=3).propose([1, 4, 2, 7, 3, 1, 4, 2], 2) == [7, 3]  # the loop's limit

@@ -42,7 +42,7 @@ test: models
 	$(BIN)/python -m pytest
 
 bench: models
-	$(BIN)/tandem bench --prompts 8 --max-tokens 128 --json bench-single.json
+	$(BIN)/python -m tools bench --prompts 8 --max-tokens 128 --json bench-single.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

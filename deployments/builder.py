@@ -7,19 +7,14 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 
-from cluster import models
-from cluster.runtime import check_tensor_parallel
-from deployments.config import DeploymentSpec, TandemAppConfig
-from deployments.ingress import Ingress
+from cluster.model import models
+from cluster.ray.runtime import check_tensor_parallel
+from deployments.assembly import deployment_options, ingress_deployment, router_options
+from deployments.config import TandemAppConfig
 from deployments.pools import DrafterPool, VerifierPool
 from deployments.router import RouterDeployment
 
 SESSION_POOL_POLICY = "deployments.autoscaling:session_pool_policy"
-
-
-def _options(spec: DeploymentSpec, name: str, policy: str | None = None) -> dict:
-    return {"name": name, "max_ongoing_requests": spec.max_ongoing_requests,
-            "max_queued_requests": spec.max_queued_requests, **spec.replica_options(policy)}
 
 
 def _check_tensor_parallel(config: TandemAppConfig) -> None:
@@ -33,7 +28,7 @@ def build_app(config: TandemAppConfig | dict | None = None) -> Application:
     config = TandemAppConfig.build(config)
     _check_tensor_parallel(config)
     if config.engine.backend == "vllm":  # vLLM verifier replicas (Ray Serve LLM's LLMServer) + their drafters
-        from deployments.vllm_serving import build_vllm_app
+        from deployments.vllm_serving import build_vllm_app  # on use: vLLM is optional
 
         return build_vllm_app(config)
     plain = config.model_dump(mode="json")
@@ -42,7 +37,7 @@ def build_app(config: TandemAppConfig | dict | None = None) -> Application:
     rank = config.verifier.placement
     bundles = [rank.bundle() for _ in range(config.tensor_parallel_size)]
     verifier = serve.deployment(VerifierPool).options(
-        **_options(config.verifier, "VerifierPool", SESSION_POOL_POLICY),
+        **deployment_options(config.verifier, "VerifierPool", SESSION_POOL_POLICY),
         ray_actor_options={"num_cpus": rank.num_cpus, "num_gpus": rank.num_gpus,
                            **({"resources": rank.resources} if rank.resources else {}),
                            **({"accelerator_type": rank.accelerator_type} if rank.accelerator_type else {})},
@@ -54,23 +49,9 @@ def build_app(config: TandemAppConfig | dict | None = None) -> Application:
     drafter = None
     if config.speculative:
         drafter = serve.deployment(DrafterPool).options(
-            **_options(config.drafter, "DrafterPool", SESSION_POOL_POLICY), ray_actor_options={"num_cpus": 0},
-            health_check_period_s=10,
+            **deployment_options(config.drafter, "DrafterPool", SESSION_POOL_POLICY),
+            ray_actor_options={"num_cpus": 0}, health_check_period_s=10,
         ).bind(engine, config.drafter.placement.model_dump(mode="json"))
 
     router = serve.deployment(RouterDeployment).options(**router_options(config)).bind(plain, drafter, verifier)
     return ingress_deployment(config, plain, router)
-
-
-def router_options(config: TandemAppConfig) -> dict:
-    place = config.router.placement
-    return {**_options(config.router, "Router"),
-            "ray_actor_options": {"num_cpus": place.num_cpus, **({"resources": place.resources} if place.resources else {})}}
-
-
-def ingress_deployment(config: TandemAppConfig, plain: dict, router) -> Application:
-    place = config.ingress.placement
-    return serve.deployment(Ingress).options(
-        **_options(config.ingress, "Ingress"),
-        ray_actor_options={"num_cpus": place.num_cpus, **({"resources": place.resources} if place.resources else {})},
-    ).bind(plain, router)

@@ -7,10 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.engine import EngineConfig, needs_features
-from cluster.errors import ConfigError, validation_message
-from cluster.runtime import PlacementConfig
-from cluster.loop import LoopConfig
+from cluster.core.config import EngineConfig, PlacementConfig, check_tp_placement
+from cluster.core.errors import ConfigError, validation_message
+from cluster.session.loop import LoopConfig
+from drafts.factory import needs_features, speculates
 
 
 class AutoscalingSpec(BaseModel):
@@ -116,8 +116,7 @@ class TandemAppConfig(LoopConfig):
                              "hidden states to the proposer); use draft 'int8' or proposer 'ngram'")
         if self.max_tokens_limit is not None and self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} must be <= max_tokens_limit={self.max_tokens_limit}")
-        if self.tensor_parallel_size > 1 and self.engine.device not in (None, "cpu") and self.verifier.placement.num_gpus < 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} on GPUs needs verifier.placement.num_gpus >= 1")
+        check_tp_placement(self.tensor_parallel_size, self.engine, self.verifier.placement, "verifier.placement")
         return self
 
     def with_backend(self, backend: str) -> "TandemAppConfig":
@@ -127,7 +126,7 @@ class TandemAppConfig(LoopConfig):
 
     @property
     def speculative(self) -> bool:
-        return self.engine.proposer != "none" and self.engine.num_speculative_tokens > 0
+        return speculates(self.engine)
 
     @classmethod
     def build(cls, config: "TandemAppConfig | dict | None" = None) -> "TandemAppConfig":

@@ -13,33 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 import ray.exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.util import metrics
 
-from cluster.sampling import SamplingParams
+from cluster.core.sampling import SamplingParams
+from deployments.chunks import Chunk, ErrorChunk, SessionProgress, TokensChunk
 
 log = logging.getLogger(__name__)
 
 # What a call to a router replica raises when the replica (not the request) failed.
 ROUTER_DEATHS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError,
                  DeploymentUnavailableError)
-
-
-@dataclass
-class SessionProgress:
-    """What the client has been sent of one session: the router's starting point on a resume."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    stats: dict | None = None  # the speculation figures so far (SpeculationStats fields)
-
-    def add(self, chunk: dict) -> None:
-        self.token_ids += chunk["token_ids"]
-        self.text += chunk["text"]
-        self.stats = chunk.get("stats", self.stats)
 
 
 class FailoverMetrics:
@@ -51,12 +38,12 @@ class FailoverMetrics:
 
 async def resumable_stream(router, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None,
                            max_resumes: int, resume_delay_s: float, failover_metrics: FailoverMetrics | None = None,
-                           timeout_s: float | None = None):
+                           timeout_s: float | None = None) -> AsyncIterator[Chunk]:
     """The router's chunks for one request, resumed on another router replica when the one carrying it
-    dies (at most `max_resumes` times; then one {"error": ...} chunk of type "service_unavailable").
-    Past the routers' queue bound: one error chunk of type "overloaded"; past `timeout_s`: "timeout".
-    Cancelled (its router session with it) when the caller goes away."""
-    params = params.with_seed()  # the same seed on every attempt
+    dies (at most `max_resumes` times; then one `ErrorChunk` of type "service_unavailable").
+    Past the routers' queue bound: one `ErrorChunk` of type "overloaded"; past `timeout_s`: "timeout".
+    Cancelled (its router session with it) when the caller goes away. `params` carry their seed
+    (`SamplingParams.with_seed`, at the ingress): every attempt draws the same numbers."""
     progress = SessionProgress()
     attempt = 0
     deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
@@ -64,29 +51,28 @@ async def resumable_stream(router, prompt_ids: list[int], params: SamplingParams
         stream = None
         try:
             stream = router.options(stream=True).generate.remote(
-                prompt_ids, params.model_dump(), max_speculative_tokens, progress if attempt else None)
+                prompt_ids, params, max_speculative_tokens, progress if attempt else None)
             async with asyncio.timeout_at(deadline):
                 async for chunk in stream:
-                    if "error" not in chunk and "finish_reason" not in chunk:
+                    if isinstance(chunk, TokensChunk):
                         progress.add(chunk)
                     yield chunk
             return
         except BackPressureError:
             stream = None  # never assigned to a replica: nothing to cancel (cancel() would raise it again)
-            yield {"error": {"message": "the server is at capacity (its request queue is full); retry shortly",
-                             "type": "overloaded"}}
+            yield ErrorChunk("overloaded", "the server is at capacity (its request queue is full); retry shortly")
             return
         except TimeoutError:
-            yield {"error": {"message": f"the request did not finish within this server's limit of {timeout_s:g} s "
-                                        f"({len(progress.token_ids)} tokens sent)", "type": "timeout"}}
+            yield ErrorChunk("timeout", f"the request did not finish within this server's limit of {timeout_s:g} s "
+                                        f"({len(progress.token_ids)} tokens sent)")
             return
         except ROUTER_DEATHS as e:
             stream = None  # its replica is gone
             attempt += 1
             if attempt > max_resumes:
                 log.error("request gave up after %d router failures; last: %s", attempt, e)
-                yield {"error": {"message": f"the router carrying this request failed {attempt} times "
-                                            f"(last: {type(e).__name__}); try again", "type": "service_unavailable"}}
+                yield ErrorChunk("service_unavailable", f"the router carrying this request failed {attempt} times "
+                                                        f"(last: {type(e).__name__}); try again")
                 return
             log.warning("router replica died mid-session (%s) after %d tokens: resuming on another replica "
                         "(%d of %d)", type(e).__name__, len(progress.token_ids), attempt, max_resumes)

@@ -21,21 +21,38 @@ from jinja2.exceptions import TemplateError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster import models
-from cluster.errors import InvalidRequestError
-from cluster.sampling import SamplingParams
-from cluster.speculate import validate_request
+from cluster.core.errors import InvalidRequestError
+from cluster.core.sampling import SamplingParams
+from cluster.model import models
+from cluster.session.speculate import validate_request
+from deployments.chunks import Chunk, ErrorChunk, FinishChunk, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.failover import FailoverMetrics, resumable_stream
-from deployments.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse, StreamOptions,
-                                    error_response, parse_request, read_body)
-from deployments.openai_responses import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
-                                          CompletionResponse, Health, ModelList, openapi_document, route_docs)
+from deployments.openai_api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    StreamOptions,
+    error_response,
+    parse_request,
+    read_body,
+)
+from deployments.openai_responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    Health,
+    ModelList,
+    openapi_document,
+    route_docs,
+)
 from protos import UnreadableRequest, pb
 
 log = logging.getLogger(__name__)
 
-# an {"error": ...} chunk's type -> (HTTP status, gRPC code); anything else is a server error
+# an ErrorChunk's type -> (HTTP status, gRPC code); anything else is a server error
 ERROR_STATUS = {"invalid_request_error": (400, grpc.StatusCode.INVALID_ARGUMENT),
                 "service_unavailable": (503, grpc.StatusCode.UNAVAILABLE),
                 "overloaded": (503, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -59,7 +76,7 @@ async def _on_server_error(request: Request, e: Exception):
     return error_response(500, f"internal error: {type(e).__name__}", type_="server_error")
 
 
-async def _chain(first: dict, rest):
+async def _chain(first: Chunk, rest):
     """`first`, then the rest of the stream (closing it when the caller stops early)."""
     try:
         yield first
@@ -69,9 +86,9 @@ async def _chain(first: dict, rest):
         await rest.aclose()
 
 
-def _usage(final: dict) -> dict:
-    return {"prompt_tokens": final["prompt_tokens"], "completion_tokens": final["completion_tokens"],
-            "total_tokens": final["prompt_tokens"] + final["completion_tokens"]}
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _speculation(stats: dict) -> dict:
@@ -92,6 +109,9 @@ class Ingress:
         path = models.resolve_model_path(self.config.engine.target, self.config.engine.cache_dir)
         self.tokenizer = models.load_tokenizer(path)
         self.max_context = AutoConfig.from_pretrained(path).max_position_embeddings
+        # the longest session the verifiers take: on vLLM, its replicas' max_model_len
+        self.context_limit = min(self.max_context, self.config.vllm.max_model_len) \
+            if self.config.engine.backend == "vllm" else self.max_context
         self.vocab_size = len(self.tokenizer)
         self.router = router_handle
         self.created = int(time.time())
@@ -107,14 +127,16 @@ class Ingress:
         return any(secrets.compare_digest(key, k) for k in self.config.api_keys)
 
     def _sampling(self, prompt_ids: list[int], max_tokens: int | None, **fields) -> SamplingParams:
+        """The request's one validated `SamplingParams`, with its seed: what every later hop carries as
+        it is (router deployment, `Router`, a resume on another router replica), unchecked again."""
         if max_tokens is None:
             max_tokens = max(1, min(self.config.default_max_tokens, self.max_context - len(prompt_ids)))
         limit = self.config.max_tokens_limit
         if limit is not None and max_tokens > limit:
             raise InvalidRequestError(f"max_tokens: {max_tokens} exceeds this server's limit of {limit}")
         params = SamplingParams.build(max_tokens=max_tokens, **fields)
-        validate_request(prompt_ids, params, self.max_context, self.tokenizer, self.vocab_size)
-        return params
+        validate_request(prompt_ids, params, self.context_limit, self.tokenizer, self.vocab_size)
+        return params.with_seed()  # fixed here: a resumed session (failover) draws the same numbers
 
     def _http_params(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                      max_tokens: int | None) -> SamplingParams:
@@ -132,17 +154,17 @@ class Ingress:
             raise InvalidRequestError(f"messages: the model's chat template refused them: {e}") from None
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None):
-        """The router's chunks (an error arrives as one {"error": ...} chunk), resumed on another router
+        """The router's chunks (an error arrives as one `ErrorChunk`), resumed on another router
         replica when the one carrying the session dies; cancelled when the caller goes away."""
         failover = self.config.failover
         return resumable_stream(self.router, prompt_ids, params, max_speculative_tokens, failover.max_resumes,
                                 failover.resume_delay_s, self.failover_metrics, self.config.request_timeout_s)
 
-    def _error(self, error: dict):
-        """An {"error": ...} chunk that came before anything was sent, as an HTTP response."""
-        response = error_response(ERROR_STATUS.get(error["type"], (500,))[0], error["message"], type_=error["type"],
-                                  code=error["type"] if error["type"] in ERROR_STATUS else None)
-        if error["type"] == "overloaded":
+    def _error(self, error: ErrorChunk):
+        """An error that came before anything was sent, as an HTTP response."""
+        response = error_response(ERROR_STATUS.get(error.type, (500,))[0], error.message, type_=error.type,
+                                  code=error.type if error.type in ERROR_STATUS else None)
+        if error.type == "overloaded":
             response.headers["Retry-After"] = str(self.config.retry_after_s)
         return response
 
@@ -190,9 +212,9 @@ class Ingress:
             return error_response(400, str(e))
         chunks = self._run(prompt_ids, params, body.num_speculative_tokens)
         first = await anext(chunks)  # a refusal (queue full, ...) still gets its status code, not a 200 stream
-        if "error" in first:
+        if isinstance(first, ErrorChunk):
             await chunks.aclose()
-            return self._error(first["error"])
+            return self._error(first)
         chunks = _chain(first, chunks)
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         if body.stream:
@@ -201,13 +223,16 @@ class Ingress:
                                      media_type="text/event-stream")
         text, token_ids, final = "", [], None
         async for chunk in chunks:
-            if "error" in chunk:
-                return self._error(chunk["error"])
-            text += chunk["text"]
-            token_ids += chunk["token_ids"]
-            if "finish_reason" in chunk:
-                final = chunk
-        choice = {"index": 0, "finish_reason": final["finish_reason"], "logprobs": None}
+            match chunk:
+                case ErrorChunk():
+                    return self._error(chunk)
+                case TokensChunk():
+                    text += chunk.text
+                    token_ids += chunk.token_ids
+                case FinishChunk():
+                    text += chunk.text
+                    final = chunk
+        choice = {"index": 0, "finish_reason": final.finish_reason, "logprobs": None}
         if body.return_token_ids:
             choice["token_ids"] = token_ids
         if kind == "completion":
@@ -216,7 +241,7 @@ class Ingress:
             choice["message"] = {"role": "assistant", "content": text}
         return {"id": request_id, "object": "text_completion" if kind == "completion" else "chat.completion",
                 "created": int(time.time()), "model": body.model, "choices": [choice],
-                "usage": _usage(final), "speculation": _speculation(final["stats"])}
+                "usage": _usage(final.prompt_tokens, final.completion_tokens), "speculation": _speculation(final.stats)}
 
     async def _sse(self, chunks, kind: str, request_id: str, model: str, usage: StreamOptions,
                    prompt_tokens: int, return_token_ids: bool):
@@ -227,8 +252,7 @@ class Ingress:
 
         def event(choices: list, **extra) -> str:
             if usage.continuous_usage_stats:
-                extra = {"usage": _usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}),
-                         **extra}
+                extra = {"usage": _usage(prompt_tokens, completion_tokens), **extra}
             return "data: " + json.dumps({"id": request_id, "object": obj, "created": created, "model": model,
                                           "choices": choices, **extra}) + "\n\n"
 
@@ -247,17 +271,22 @@ class Ingress:
         if kind == "chat":
             yield event([choice("", None, first=True)])
         async for chunk in chunks:
-            if "error" in chunk:
-                yield "data: " + json.dumps({"error": {**chunk["error"], "param": None, "code": None}}) + "\n\n"
-                break
-            completion_tokens += len(chunk["token_ids"])
-            if chunk["text"] or (return_token_ids and chunk["token_ids"]):
-                yield event([choice(chunk["text"], None, token_ids=chunk["token_ids"])])
-            if "finish_reason" in chunk:
-                extra = {"speculation": _speculation(chunk["stats"])}
-                yield event([choice(None if kind == "chat" else "", chunk["finish_reason"])], **extra)
-                if usage.include_usage:
-                    yield event([], usage=_usage(chunk))
+            match chunk:
+                case ErrorChunk():
+                    error = {"message": chunk.message, "type": chunk.type, "param": None, "code": None}
+                    yield "data: " + json.dumps({"error": error}) + "\n\n"
+                    break
+                case TokensChunk():
+                    completion_tokens += len(chunk.token_ids)
+                    if chunk.text or (return_token_ids and chunk.token_ids):
+                        yield event([choice(chunk.text, None, token_ids=chunk.token_ids)])
+                case FinishChunk():
+                    if chunk.text:
+                        yield event([choice(chunk.text, None)])
+                    extra = {"speculation": _speculation(chunk.stats)}
+                    yield event([choice(None if kind == "chat" else "", chunk.finish_reason)], **extra)
+                    if usage.include_usage:
+                        yield event([], usage=_usage(chunk.prompt_tokens, chunk.completion_tokens))
         yield "data: [DONE]\n\n"
 
     # -- gRPC (Generation service through Serve's gRPC proxy) ----------------------------------------
@@ -285,21 +314,22 @@ class Ingress:
             raise  # Serve's proxy answers with the code set above
         gamma = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         async for chunk in self._run(prompt_ids, params, gamma):
-            if "error" in chunk:
-                grpc_context.set_code(ERROR_STATUS.get(chunk["error"]["type"], (500, grpc.StatusCode.INTERNAL))[1])
-                grpc_context.set_details(chunk["error"]["message"])
-                raise InvalidRequestError(chunk["error"]["message"])
-            response = pb.GenerateResponse(text=chunk["text"], token_ids=chunk["token_ids"],
-                                           prompt_tokens=len(prompt_ids))
-            if "finish_reason" in chunk:
-                s = chunk["stats"]
-                response.finish_reason = chunk["finish_reason"]
-                response.completion_tokens = chunk["completion_tokens"]
-                response.stats.CopyFrom(pb.SpeculationStats(
-                    drafted=s["drafted"], accepted=s["accepted"], acceptance_rate=s["acceptance_rate"],
-                    mean_accepted_length=s["mean_accepted_length"], rounds=s["rounds"],
-                    accepted_per_position=s["accepted_per_position"], drafted_per_position=s["drafted_per_position"]))
-            yield response
+            match chunk:
+                case ErrorChunk():
+                    grpc_context.set_code(ERROR_STATUS.get(chunk.type, (500, grpc.StatusCode.INTERNAL))[1])
+                    grpc_context.set_details(chunk.message)
+                    raise InvalidRequestError(chunk.message)
+                case TokensChunk():
+                    yield pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, prompt_tokens=len(prompt_ids))
+                case FinishChunk():
+                    s = chunk.stats
+                    yield pb.GenerateResponse(
+                        text=chunk.text, prompt_tokens=len(prompt_ids), finish_reason=chunk.finish_reason,
+                        completion_tokens=chunk.completion_tokens, stats=pb.SpeculationStats(
+                            drafted=s["drafted"], accepted=s["accepted"], acceptance_rate=s["acceptance_rate"],
+                            mean_accepted_length=s["mean_accepted_length"], rounds=s["rounds"],
+                            accepted_per_position=s["accepted_per_position"],
+                            drafted_per_position=s["drafted_per_position"]))
 
     @staticmethod
     def _grpc_role(role: str) -> str:

@@ -17,8 +17,7 @@ import struct
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from protos import MAX_REQUEST_BYTES
 
@@ -28,7 +27,7 @@ MAX_JSON_DEPTH = 64  # a chat request with content parts is 5 deep
 MAX_UINT32 = 2**32 - 1  # protobuf's uint32 (max_tokens, top_k, token ids)
 MIN_POSITIVE_FLOAT = 1e-6  # smallest positive temperature or top_p (protobuf's float would round some to 0)
 NOT_SERVED = "Not supported: "  # the description prefix of fields accepted only at their default
-MAX_STOP = 16  # stop strings per request (cluster.sampling.SamplingParams)
+MAX_STOP = 16  # stop strings per request (cluster.core.sampling.SamplingParams)
 
 # Exact schemas of the fields whose before-validators give their own messages (a pydantic union would
 # report each member's failure); the token ids' upper bound is the model's vocabulary, checked later.

@@ -1,7 +1,7 @@
 """The verifier pool and the drafter pool as Serve deployments, and the routers' view of them.
 
 A session holds a *lease* on one replica of each: a streaming call that yields where to reach the
-replica (the verifier's `cluster.transport.Endpoint`: its node's address, plus its TLS root when TLS
+replica (the verifier's `cluster.wire.transport.Endpoint`: its node's address, plus its TLS root when TLS
 is configured; the drafter actor's handle) and then stays open until the session ends. Serve
 therefore counts open sessions as ongoing requests: its power-of-two-choices routing places a new
 session on the less loaded of two replicas, its queue holds sessions beyond `max_ongoing_requests`,
@@ -29,11 +29,12 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.errors import TandemError
-from cluster.models import DEFAULT_MODEL_NAME
-from cluster.verifier_pool import VerifierLease, VerifierReplicaHandle
-from cluster.runtime import VerifierRank, free_port
-from cluster.transport import Endpoint
+from cluster.core.errors import TandemError
+from cluster.model.models import DEFAULT_MODEL_NAME
+from cluster.ray.drafter import launch_drafter
+from cluster.ray.runtime import VerifierRank, free_port
+from cluster.wire.transport import Endpoint
+from cluster.wire.verifier_pool import VerifierLease, VerifierReplicaHandle
 from deployments.metrics import orphaned_sessions_counter
 
 log = logging.getLogger(__name__)
@@ -233,32 +234,27 @@ class DrafterPool:
     """One drafter replica: the drafter actor (on the configured cheap resource) behind a thin Serve replica."""
 
     def __init__(self, engine_config: dict, placement: dict):
-        from cluster.drafter import Drafter
-
         context = serve.get_replica_context()
-        self.actor = ray.remote(Drafter).options(
-            name=f"tandem-drafter-{context.app_name}-{context.replica_id.unique_id}",
+        self.actor = launch_drafter(
+            engine_config, name=f"tandem-drafter-{context.app_name}-{context.replica_id.unique_id}",
             num_cpus=placement.get("num_cpus", 1), num_gpus=placement.get("num_gpus", 0),
-            accelerator_type=placement.get("accelerator_type"), resources=placement.get("resources") or None,
-            max_restarts=-1, max_task_retries=0, max_concurrency=256,
-        ).remote(engine_config)
+            accelerator_type=placement.get("accelerator_type"), resources=placement.get("resources"))
         ray.get(self.actor.ready.remote(), timeout=600)
         orphans = orphaned_sessions_counter(_model_tag(engine_config), "drafter")
         self.leases = _Leases(self._release_orphan, on_orphans=orphans.inc,
                               pool=f"drafter replica {context.replica_id.unique_id}")
 
-    async def lease(self, session: str, holder: Holder | None = None, ahead: bool = False):
+    async def lease(self, session: str, holder: Holder | None = None):
         """Yields the drafter actor's handle, then holds the session until the caller cancels, or until
         `holder` (the caller's actor, when given) is found dead: the session is then released on the
-        drafter (`ahead`: a continuously drafted session, `Drafter.ahead_release`; else `release`)."""
-        with self.leases.held(session, holder, ahead) as ended:
+        drafter."""
+        with self.leases.held(session, holder) as ended:
             yield self.actor
             await ended.wait()
 
-    def _release_orphan(self, session: str, ahead: object = False) -> None:
-        # both are no-ops for a session the drafter no longer (or never) held
-        release = self.actor.ahead_release if ahead else self.actor.release
-        ray.get(release.remote(session), timeout=60)
+    def _release_orphan(self, session: str, kind: object = None) -> None:
+        # a no-op for a session the drafter no longer (or never) held
+        ray.get(self.actor.release.remote(session), timeout=60)
 
     def sessions(self) -> int:
         """Sessions the drafter actor holds state for."""
@@ -314,14 +310,12 @@ class ServeVerifierPool:
 
 
 class ServeDrafterPool:
-    """`acquire` for the router: (the drafter actor Serve picked for the session, release callback).
-    `ahead`: the router drafts continuously (`Drafter.ahead_*`), which is how the drafter replica must
-    release the sessions should this router replica die."""
+    """`acquire` for the router: (the drafter actor Serve picked for the session, release callback)."""
 
-    def __init__(self, handle, ahead: bool = False):
+    def __init__(self, handle):
         self.handle = handle
         holder = _lease_holder()  # this router replica: the pool releases its sessions if it dies
-        self._options = {"holder": holder, **({"ahead": True} if ahead else {})} if holder is not None else {}
+        self._options = {"holder": holder} if holder is not None else {}
 
     def acquire(self, session: str):
         lease = _Lease(self.handle, session, **self._options)

@@ -1,4 +1,4 @@
-"""The router deployment: drives sessions (cluster.router.Router) over the drafter and verifier pools.
+"""The router deployment: drives sessions (cluster.ray.router.Router) over the drafter and verifier pools.
 
 Each request runs the router's loop in a worker thread; committed tokens come back through a queue
 as they are verified and leave as text deltas. When the caller goes away (client disconnect), the
@@ -12,16 +12,17 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
-from cluster import models
-from cluster.errors import InvalidRequestError, TandemError
-from cluster.router import Router
-from cluster.sampling import SamplingParams
-from cluster.speculate import SpeculationStats
+from cluster.core.errors import InvalidRequestError, TandemError
+from cluster.core.sampling import SamplingParams
+from cluster.core.stats import GenerationResult, SpeculationStats
+from cluster.model import models
+from cluster.ray.router import Router
+from deployments.chunks import Chunk, ErrorChunk, FinishChunk, SessionProgress, TokensChunk
 from deployments.config import TandemAppConfig
-from deployments.failover import SessionProgress
 from deployments.metrics import TandemMetrics
 from deployments.pools import ServeDrafterPool, ServeVerifierPool
 
@@ -66,6 +67,14 @@ class IncrementalText:
         return delta
 
 
+@dataclass(frozen=True)
+class _Committed:
+    """Session thread -> the request's stream: tokens just committed and the figures at that point."""
+
+    token_ids: list[int]
+    stats: dict
+
+
 class RouterDeployment:
     def __init__(self, config: dict, drafter_handle, verifier_handle):
         from transformers import AutoConfig
@@ -75,7 +84,7 @@ class RouterDeployment:
         path = models.resolve_model_path(engine.target, engine.cache_dir)
         self.tokenizer = models.load_tokenizer(path)
         model_config = AutoConfig.from_pretrained(path)
-        drafter = ServeDrafterPool(drafter_handle, ahead=self.config.continuous) if drafter_handle is not None else None
+        drafter = ServeDrafterPool(drafter_handle) if drafter_handle is not None else None
         self.router = Router.from_config(self.config, engine, ServeVerifierPool(verifier_handle), drafter,
                                          self.tokenizer, model_config)
         self.max_context = model_config.max_position_embeddings
@@ -100,20 +109,14 @@ class RouterDeployment:
         self.metrics.queue_depth.set(self._waiting)
         self.metrics.active_sessions.set(self._active)
 
-    async def generate(self, prompt_ids: list[int], params: dict, max_speculative_tokens: int | None = None,
-                       resume: SessionProgress | None = None):
-        """Yields {"token_ids", "text", "stats"} chunks, then {"finish_reason", "stats", ...}; a refused or
-        failed request yields one {"error": {"message", "type"}} instead of raising. `resume`: what the
-        client was sent of this session by a router replica that died (the session goes on from there)."""
-        try:
-            sampling = SamplingParams.build(**params)
-            self.router.validate(prompt_ids, sampling)
-        except InvalidRequestError as e:
-            self.metrics.errors.inc(1, {"kind": "invalid_request"})
-            yield {"error": {"message": str(e), "type": "invalid_request_error"}}
-            return
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None = None,
+                       resume: SessionProgress | None = None) -> AsyncIterator[Chunk]:
+        """Yields `TokensChunk`s, then a `FinishChunk`; a failed request yields an `ErrorChunk` instead of
+        raising. `params`: as the ingress validated them, with their seed (not checked again here).
+        `resume`: what the client was sent of this session by a router replica that died (the session
+        goes on from there)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[_Committed | GenerationResult | Exception] = asyncio.Queue()
         cancelled = threading.Event()
         t_start = time.perf_counter()
         first_token_s: list[float] = []
@@ -123,51 +126,48 @@ class RouterDeployment:
         def on_tokens(tokens: list[int]) -> None:
             if not first_token_s:
                 first_token_s.append(time.perf_counter() - t_start)
-            loop.call_soon_threadsafe(queue.put_nowait, ("tokens", (tokens, asdict(stats))))
+            loop.call_soon_threadsafe(queue.put_nowait, _Committed(tokens, asdict(stats)))
 
         def run() -> None:
             self._waiting -= 1
             self._active += 1
             try:
-                result = self.router.generate(prompt_ids, sampling, on_tokens=on_tokens, cancelled=cancelled,
+                result = self.router.generate(prompt_ids, params, on_tokens=on_tokens, cancelled=cancelled,
                                               max_speculative_tokens=max_speculative_tokens,
-                                              output_prefix=resume.token_ids, stats=stats)
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
+                                              output_prefix=resume.token_ids, stats=stats, validated=True)
+                loop.call_soon_threadsafe(queue.put_nowait, result)
             except Exception as e:  # reported to the caller as data; logged here
                 log.exception("request failed")
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+                loop.call_soon_threadsafe(queue.put_nowait, e)
             finally:
                 self._active -= 1
 
         self._waiting += 1
         self.executor.submit(run)
-        text = IncrementalText(self.tokenizer, sampling.stop, sent=resume.text)
+        text = IncrementalText(self.tokenizer, params.stop, sent=resume.text)
         output: list[int] = list(resume.token_ids)
         try:
             while True:
-                kind, item = await queue.get()
-                if kind == "tokens":
-                    tokens, snapshot = item
-                    output.extend(tokens)
-                    yield {"token_ids": tokens, "text": text.update(output), "stats": snapshot}
-                elif kind == "done":
-                    stats = item.stats
-                    decode_s = stats.total_s - (first_token_s[0] if first_token_s else stats.total_s)
-                    inter_token = decode_s / (len(output) - 1) if len(output) > 1 else None
-                    self.metrics.record_request(stats, item.finish_reason, first_token_s[0] if first_token_s else None,
-                                                inter_token)
-                    self._record_router_metrics()
-                    yield {"token_ids": [], "text": text.finish(item.text), "finish_reason": item.finish_reason,
-                           "stats": {**asdict(stats), "acceptance_rate": stats.acceptance_rate,
-                                     "mean_accepted_length": stats.mean_accepted_length},
-                           "prompt_tokens": len(prompt_ids), "completion_tokens": len(item.token_ids)}
-                    return
-                else:
-                    kind = "invalid_request_error" if isinstance(item, InvalidRequestError) else "server_error"
-                    self.metrics.errors.inc(1, {"kind": kind})
-                    message = str(item) if isinstance(item, TandemError) else f"generation failed: {item!r}"
-                    yield {"error": {"message": message, "type": kind}}
-                    return
+                match await queue.get():
+                    case _Committed(tokens, snapshot):
+                        output.extend(tokens)
+                        yield TokensChunk(tokens, text.update(output), snapshot)
+                    case GenerationResult() as result:
+                        stats = result.stats
+                        decode_s = stats.total_s - (first_token_s[0] if first_token_s else stats.total_s)
+                        inter_token = decode_s / (len(output) - 1) if len(output) > 1 else None
+                        self.metrics.record_request(stats, result.finish_reason,
+                                                    first_token_s[0] if first_token_s else None, inter_token)
+                        self._record_router_metrics()
+                        yield FinishChunk.of(result.finish_reason, text.finish(result.text), stats, len(prompt_ids),
+                                             len(result.token_ids))
+                        return
+                    case error:
+                        kind = "invalid_request_error" if isinstance(error, InvalidRequestError) else "server_error"
+                        self.metrics.errors.inc(1, {"kind": kind})
+                        message = str(error) if isinstance(error, TandemError) else f"generation failed: {error!r}"
+                        yield ErrorChunk(kind, message)
+                        return
         finally:
             cancelled.set()  # a no-op when finished; stops the session when the caller went away
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from cluster.errors import ConfigError, validation_message
+from cluster.core.errors import ConfigError, validation_message
+from cluster.ray.runtime import LOOPBACK, init_local_ray
+from deployments.builder import build_app
 from deployments.config import TandemAppConfig
 
 log = logging.getLogger(__name__)
@@ -66,9 +68,6 @@ def start(config: ServeConfig, http_port: int | None = None, grpc_port: int | No
     """Deploy every application of `config` on a local Ray; returns the addresses."""
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
-
-    from cluster.runtime import LOOPBACK, init_local_ray
-    from deployments.builder import build_app
 
     init_local_ray()
     schema = config.schema

@@ -6,7 +6,7 @@ replicas are Ray Serve LLM's `LLMServer` (its `LLMConfig`, builder, placement gr
 vLLM engine startup, reused as they are) extended by `TandemLLMServer`:
 
 - vLLM owns the target and its decoding loop; tandem's drafter proposes through the custom proposer
-  class (`cluster.vllm_proposer.TandemProposer`), a client of the replica's `Drafter` actor.
+  class (`cluster.vllm.proposer.TandemProposer`), a client of the replica's `Drafter` actor.
 - Each replica has its own drafter actor (`drafter.placement`: the cheap accelerator), outside the
   replica's placement group: vLLM's proposer runs in the engine's worker process and must know its
   drafter before requests arrive, so drafters are paired with verifier replicas.
@@ -30,12 +30,17 @@ import time
 import uuid
 from dataclasses import asdict
 
-from cluster import models
-from cluster.errors import InvalidRequestError
-from cluster.sampling import SamplingParams
-from cluster.speculate import SpeculationStats, validate_request
+from cluster.core.sampling import SamplingParams
+from cluster.model import models
+from cluster.ray.drafter import launch_drafter
+from cluster.session.speculate import SpeculationStats
+from cluster.vllm.engine import to_vllm_params
+from cluster.vllm.proposer import PROPOSER_CLASS
+from cluster.vllm.protocol import DrafterSpec, RayDrafter, RequestKey
+from cluster.vllm.worker import WORKER_EXTENSION
+from deployments.assembly import ingress_deployment, router_options
+from deployments.chunks import ErrorChunk, FinishChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
 from deployments.config import TandemAppConfig
-from deployments.failover import SessionProgress
 from deployments.metrics import TandemMetrics
 from deployments.router import IncrementalText
 
@@ -48,8 +53,6 @@ PROPOSER_KINDS = ("hits", "misses", "drafted_rows", "empty_rows", "empty_late", 
 def llm_config(config: TandemAppConfig):
     """Ray Serve LLM's `LLMConfig` for the verifier replicas of `config` (engine.backend vllm)."""
     from ray.serve.llm import LLMConfig
-
-    from cluster.vllm_proposer import PROPOSER_CLASS, WORKER_EXTENSION
 
     engine, vllm = config.engine, config.vllm
     path = models.resolve_model_path(engine.target, engine.cache_dir)
@@ -81,8 +84,6 @@ def _delta_params(params: SamplingParams):
     """vLLM's params for a streamed request: each output carries only the new tokens."""
     from vllm.sampling_params import RequestOutputKind
 
-    from cluster.vllm_engine import to_vllm_params
-
     return to_vllm_params(params, output_kind=RequestOutputKind.DELTA)
 
 
@@ -105,24 +106,24 @@ class TandemLLMServer(_server_base()):
         self.speculative = bool(tandem.get("speculative"))  # the rest of `tandem` is there when speculative
         name = None
         if self.speculative:  # the drafter loads its model while vLLM starts
-            from cluster.drafter import Drafter
 
             context = serve.get_replica_context()
             name = f"tandem-vllm-drafter-{context.app_name}-{context.replica_id.unique_id}"
             placement = tandem["drafter_placement"]
-            self.drafter = ray.remote(Drafter).options(
-                name=name, num_cpus=placement.get("num_cpus", 1), num_gpus=placement.get("num_gpus", 0),
-                accelerator_type=placement.get("accelerator_type"), resources=placement.get("resources") or None,
-                scheduling_strategy="DEFAULT",  # not in the replica's placement group
-                max_restarts=-1, max_task_retries=0, max_concurrency=256).remote(tandem["engine"])
+            self.drafter = launch_drafter(
+                tandem["engine"], name=name, num_cpus=placement.get("num_cpus", 1),
+                num_gpus=placement.get("num_gpus", 0), accelerator_type=placement.get("accelerator_type"),
+                resources=placement.get("resources"), scheduling_strategy="DEFAULT",  # not in the replica's group
+                max_restarts=-1)
         await super().__init__(llm_config, **kwargs)
         if self.drafter is not None:
             await self.drafter.ready.remote()
-            spec = {"client": "ray", "actor": name, "namespace": ray.get_runtime_context().namespace,
-                    "address": ray.get_runtime_context().gcs_address, "auth_mode": os.environ.get("RAY_AUTH_MODE"),
-                    "registered": True, **{k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first")}}
-            await self.collective_rpc("tandem_configure", args=(spec,))
-        self.fix = (await self.collective_rpc("tandem_fix_state"))[0]
+            runtime = ray.get_runtime_context()
+            spec = DrafterSpec(ray=RayDrafter(actor=name, namespace=runtime.namespace, address=runtime.gcs_address,
+                                              auth_mode=os.environ.get("RAY_AUTH_MODE")), registered=True,
+                               **{k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first")})
+            await self.collective_rpc("tandem_configure", args=(spec.wire(),))
+        self.fix = (await self.collective_rpc("tandem_fix_rejection_sampler"))[0]  # every worker, before requests
         self.open_sessions = 0
         self.proposer_rows = metrics.Counter(
             "tandem_vllm_proposer_rows", "vLLM proposer rows by outcome: hits (a draft continued the committed "
@@ -133,23 +134,20 @@ class TandemLLMServer(_server_base()):
         log.info("vLLM verifier replica: speculative %s, rejection-sampler fix %s", self.speculative,
                  self.fix.get("state"))
 
-    async def generate_tokens(self, session: str, prompt_ids: list[int], params: dict,
+    async def generate_tokens(self, session: str, prompt_ids: list[int], sampling: SamplingParams,
                               max_speculative_tokens: int | None = None):
-        """Yields {"token_ids": [...]} per engine step, then {"finish_reason": ...}; a request this
-        engine refuses yields one {"error": ...} instead. `max_speculative_tokens` caps this request's
-        drafts (0: plain decoding, no drafter session)."""
+        """Yields `StepTokens` per engine step, then `StepFinish`; a request this engine refuses yields one
+        `ErrorChunk` instead. `sampling`: as the ingress validated them. `max_speculative_tokens` caps this
+        request's drafts (0: plain decoding, no drafter session)."""
         from vllm.inputs import TokensPrompt
 
-        from cluster.vllm_proposer import request_id
-
-        sampling = SamplingParams.build(**params)
         if self.speculative and not sampling.greedy and self.fix.get("state") not in ("applied", "not needed"):
-            yield {"error": {"message": f"sampled speculative decoding is refused on this vLLM ({self.fix}); use "
-                                        "temperature 0", "type": "invalid_request_error"}}
+            yield ErrorChunk("invalid_request_error", f"sampled speculative decoding is refused on this vLLM "
+                                                      f"({self.fix}); use temperature 0")
             return
         self.open_sessions += 1
         started = None
-        session = request_id(session, max_speculative_tokens)  # vLLM's request id and the drafter's session
+        session = str(RequestKey(session, max_speculative_tokens))  # vLLM's request id and the drafter's session
         if self.drafter is not None and max_speculative_tokens != 0:  # the draft's prefill runs while the target's does
             started = self.drafter.start.remote(session, list(prompt_ids), sampling)
         try:
@@ -158,14 +156,14 @@ class TandemLLMServer(_server_base()):
                                                                   _delta_params(sampling), request_id=session):
                 completion = out.outputs[0]
                 if completion.token_ids:
-                    yield {"token_ids": list(completion.token_ids)}
+                    yield StepTokens(list(completion.token_ids))
                 finish = completion.finish_reason or finish
                 spec = getattr(completion, "spec_decode_metrics", None) or spec
-            speculation = {}
-            if spec is not None:  # vLLM's per-request figures: steps by accepted draft tokens, drafts proposed
-                speculation = {"drafted": spec.num_draft_tokens,
-                               "accepted": sum(j * n for j, n in enumerate(spec.histogram))}
-            yield {"finish_reason": "stop" if finish == "stop" else "length", "speculation": speculation}
+            reason = "stop" if finish == "stop" else "length"
+            if spec is None:
+                yield StepFinish(reason)
+            else:  # vLLM's per-request figures: steps by accepted draft tokens, drafts proposed
+                yield StepFinish(reason, spec.num_draft_tokens, sum(j * n for j, n in enumerate(spec.histogram)))
         finally:
             self.open_sessions -= 1
             if started is not None:  # released after it started (a threaded actor may reorder the two calls)
@@ -222,15 +220,9 @@ class VLLMRouterDeployment:
         self.metrics = TandemMetrics(self.config.model_id)
         self._active = 0
 
-    async def generate(self, prompt_ids: list[int], params: dict, max_speculative_tokens: int | None = None,
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_speculative_tokens: int | None = None,
                        resume: SessionProgress | None = None):
-        try:
-            sampling = SamplingParams.build(**params)
-            validate_request(prompt_ids, sampling, self.max_context, self.tokenizer, self.vocab_size)
-        except InvalidRequestError as e:
-            self.metrics.errors.inc(1, {"kind": "invalid_request"})
-            yield {"error": {"message": str(e), "type": "invalid_request_error"}}
-            return
+        """`sampling`: as the ingress validated them (against vLLM's max_model_len too), with their seed."""
         resume = resume or SessionProgress()
         output = list(resume.token_ids)
         stats = SpeculationStats(**resume.stats) if resume.stats else SpeculationStats(num_prompt_tokens=len(prompt_ids))
@@ -247,23 +239,23 @@ class VLLMRouterDeployment:
                 # a resumed session goes on from prompt + what was sent (sampling is keyed by position)
                 step = sampling.model_copy(update={"max_tokens": remaining})
                 stream = self.verifier.options(stream=True).generate_tokens.remote(
-                    session, list(prompt_ids) + output, step.model_dump(), max_speculative_tokens)
+                    session, list(prompt_ids) + output, step, max_speculative_tokens)
                 async for chunk in stream:
-                    if "error" in chunk:
-                        self.metrics.errors.inc(1, {"kind": chunk["error"]["type"]})
-                        yield chunk
-                        return
-                    if "finish_reason" in chunk:
-                        finish = chunk["finish_reason"]
-                        spec = chunk.get("speculation") or {}
-                        stats.drafted += spec.get("drafted", 0)
-                        stats.accepted += spec.get("accepted", 0)
-                        continue
-                    if first_token_s is None:
-                        first_token_s = time.perf_counter() - t_start
-                    output.extend(chunk["token_ids"])
-                    stats.num_generated_tokens = len(output)
-                    yield {"token_ids": chunk["token_ids"], "text": text.update(output), "stats": asdict(stats)}
+                    match chunk:
+                        case ErrorChunk():
+                            self.metrics.errors.inc(1, {"kind": chunk.type})
+                            yield chunk
+                            return
+                        case StepFinish():
+                            finish = chunk.finish_reason
+                            stats.drafted += chunk.drafted
+                            stats.accepted += chunk.accepted
+                        case StepTokens():
+                            if first_token_s is None:
+                                first_token_s = time.perf_counter() - t_start
+                            output.extend(chunk.token_ids)
+                            stats.num_generated_tokens = len(output)
+                            yield TokensChunk(chunk.token_ids, text.update(output), asdict(stats))
             stream = None
             stats.total_s += time.perf_counter() - t_start
             stats.num_generated_tokens = len(output)
@@ -272,14 +264,11 @@ class VLLMRouterDeployment:
             decode_s = stats.total_s - (first_token_s or stats.total_s)
             self.metrics.record_request(stats, finish, first_token_s,
                                         decode_s / (len(output) - 1) if len(output) > 1 else None)
-            yield {"token_ids": [], "text": text.finish(final_text), "finish_reason": finish,
-                   "stats": {**asdict(stats), "acceptance_rate": stats.acceptance_rate,
-                             "mean_accepted_length": stats.mean_accepted_length},
-                   "prompt_tokens": len(prompt_ids), "completion_tokens": len(output)}
+            yield FinishChunk.of(finish, text.finish(final_text), stats, len(prompt_ids), len(output))
         except Exception as e:  # reported to the caller as data; logged here
             log.exception("request failed")
             self.metrics.errors.inc(1, {"kind": "server_error"})
-            yield {"error": {"message": f"generation failed: {e!r}", "type": "server_error"}}
+            yield ErrorChunk("server_error", f"generation failed: {e!r}")
         finally:
             self._active -= 1
             if stream is not None:  # the caller went away (or failed): vLLM aborts the request
@@ -296,8 +285,6 @@ def build_vllm_app(config: TandemAppConfig):
     """The application for `engine.backend: vllm`: ingress → router → vLLM verifier replicas."""
     from ray import serve
     from ray.serve.llm import build_llm_deployment
-
-    from deployments.builder import ingress_deployment, router_options
 
     plain = config.model_dump(mode="json")
     engine = config.engine.model_dump(mode="json")

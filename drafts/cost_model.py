@@ -8,8 +8,8 @@ v the extra verify cost per draft (as a fraction of one target step):
 - pipelined (draft overlapped with verify)  max(1 + γ·v, γ·c)
 - predicted speedup over plain decoding    E / time per round
 
-Used by the draft-length policy (`drafts/policy.py`), the benchmarks (`cluster/bench.py`,
-`cluster/bench_distributed.py`), draft validation (`drafts/validate.py`) and the pipeline model.
+Used by the draft-length policy (`drafts/policy.py`), the benchmarks (`tools/bench.py`,
+`tools/bench_distributed.py`), draft validation (`drafts/training/validate.py`) and the pipeline model.
 """
 
 from __future__ import annotations

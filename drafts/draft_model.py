@@ -11,8 +11,8 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from cluster.runner import TorchModelRunner
-from cluster.sampling import RandomStream, SamplingParams, probabilities, sample
+from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
+from cluster.model.runner import TorchModelRunner
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 
 
@@ -35,7 +35,7 @@ class DraftModelProposer(SequenceProposer):
         """`max_support`: sample from the draft's `max_support` most likely tokens (renormalised), so
         q crosses the wire compactly. Any q keeps the output lossless: the verifier uses this one.
         `tree_width` > 1: `propose_tree` adds the draft's next most likely tokens as siblings of the
-        first draft (a token tree, `cluster.tree`)."""
+        first draft (a token tree, `cluster.core.tree`)."""
         super().__init__()
         self.runner = runner
         self.max_support = max_support
@@ -55,7 +55,7 @@ class DraftModelProposer(SequenceProposer):
         """Draft for several sessions at once: one batched forward per draft position. `trees`: sessions
         whose proposal is a token tree, the chain plus `tree_width - 1` siblings of its first draft: the
         draft's most likely other tokens there, chosen deterministically (one-hot rows, so the tree's
-        multi-candidate verification stays lossless, `cluster.tree`). The chain is what the session's
+        multi-candidate verification stays lossless, `cluster.core.tree`). The chain is what the session's
         own sequence continues with."""
         wanted = {s: max(0, min(k, self.runner.max_context - len(self.tokens(s)))) for s, k in requests.items()}
         drafts: dict[SessionId, list[int]] = {s: [] for s in requests}

@@ -1,4 +1,4 @@
-"""The feature-fed draft (`drafts.feature_draft.FeatureDraft`, EAGLE-style) as a proposer.
+"""The feature-fed draft (`drafts.training.feature_draft.FeatureDraft`, EAGLE-style) as a proposer.
 
 The draft reads the target's last hidden state: entry t of its one-layer KV cache is computed from
 (f_t, x_{t+1}) and outputs f̂_{t+1}, whose head row predicts x_{t+2}. The verifier sends the target's
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.sampling import RandomStream, SamplingParams, probabilities, sample
+from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 
 FEATURE_DRAFT = "feature"  # engine.draft shorthand: the feature-fed draft shipped in drafts/trained
@@ -59,13 +59,14 @@ class FeatureProposer(SequenceProposer):
     tree_width = 1
 
     def __init__(self, draft, max_support: int | None = None):
-        """`draft`: a loaded `FeatureDraft` (`drafts.feature_draft.load_feature_draft`). `max_support`: sample
+        """`draft`: a loaded `FeatureDraft` (`drafts.training.feature_draft.load_feature_draft`). `max_support`: sample
         from the draft's `max_support` most likely tokens (renormalised), so q crosses the wire compactly."""
         super().__init__()
         self.draft = draft.eval()
         self.hidden_size = int(draft.embed.shape[1])
         self.vocab_size = int(draft.embed.shape[0])  # the target's vocabulary
         self.dtype = draft.fc.weight.dtype
+        self.device = draft.fc.weight.device  # its state lives beside its weights (CPU or CUDA)
         self.max_support = max_support
         self.max_predicted = 16  # positions drafted from predicted features before the target's are needed
         self._state: dict[SessionId, _State] = {}
@@ -75,7 +76,8 @@ class FeatureProposer(SequenceProposer):
         from transformers import DynamicCache
 
         super().start(session, prompt_ids, params)
-        self._state[session] = _State(torch.zeros(max(64, 2 * len(prompt_ids)), self.hidden_size, dtype=self.dtype),
+        self._state[session] = _State(torch.zeros(max(64, 2 * len(prompt_ids)), self.hidden_size, dtype=self.dtype,
+                                                  device=self.device),
                                       DynamicCache())
 
     def release(self, session: SessionId) -> None:
@@ -97,7 +99,7 @@ class FeatureProposer(SequenceProposer):
             return
         end = start + len(rows)
         self._room(st, end)
-        st.feats[start:end] = rows.to(self.dtype)
+        st.feats[start:end] = rows.to(self.device, self.dtype)
         st.real = st.known = end
         self._crop(st, start)  # entries from `start` on were computed from predicted features
 
@@ -108,7 +110,7 @@ class FeatureProposer(SequenceProposer):
 
     def _room(self, st: _State, n: int) -> None:
         if n > len(st.feats):
-            grown = torch.zeros(max(n, 2 * len(st.feats)), self.hidden_size, dtype=self.dtype)
+            grown = torch.zeros(max(n, 2 * len(st.feats)), self.hidden_size, dtype=self.dtype, device=self.device)
             grown[: len(st.feats)] = st.feats
             st.feats = grown
 
@@ -132,8 +134,8 @@ class FeatureProposer(SequenceProposer):
             t = st.cache.get_seq_length()
             end = min(upto, st.known) if t < st.known else t + 1
             feats = st.feats[t:end][None]  # [1, n, H]
-            ids = torch.tensor([tokens[t + 1:end + 1]], dtype=torch.long)  # [1, n]
-            pos = torch.arange(t, end)[None]
+            ids = torch.tensor([tokens[t + 1:end + 1]], dtype=torch.long, device=self.device)  # [1, n]
+            pos = torch.arange(t, end, device=self.device)[None]
             hidden, _ = self.draft(feats, ids, past=st.cache, pos=pos)  # [1, n, H]
             out = hidden[0, -1]
             if end >= st.known:  # the output is the first position without a feature
@@ -165,7 +167,7 @@ class FeatureProposer(SequenceProposer):
             if params.greedy:
                 token = int(self.draft.vocab[int(logits.argmax())])
             else:
-                full = torch.full((self.vocab_size,), float("-inf"))
+                full = torch.full((self.vocab_size,), float("-inf"), device=logits.device)
                 full[self.draft.vocab] = logits.float()
                 q = probabilities(full[None], params)[0]  # [vocab_size]
                 if self.max_support and self.max_support < int((q > 0).sum()):

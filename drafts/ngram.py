@@ -6,7 +6,7 @@ against 441 of 936 for the latest match (36.98 vs 35.19 tokens/s in one run)."""
 
 from __future__ import annotations
 
-from cluster.errors import ConfigError
+from cluster.core.errors import ConfigError
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 
 

@@ -14,8 +14,9 @@ from typing import Hashable, Protocol, runtime_checkable
 
 import torch
 
-from cluster.errors import InvalidRequestError
-from cluster.sampling import SamplingParams
+from cluster.core.errors import InvalidRequestError
+from cluster.core.messages import to_sparse
+from cluster.core.sampling import SamplingParams
 
 SessionId = Hashable
 
@@ -24,20 +25,14 @@ SessionId = Hashable
 class DraftProposal:
     token_ids: list[int]  # [k]
     draft_probs: torch.Tensor | None = None  # [k, vocab_size]; None for a deterministic proposer
-    parents: list[int] | None = None  # a token tree (`cluster.tree.TokenTree` order); None: a chain
+    parents: list[int] | None = None  # a token tree (`cluster.core.tree.TokenTree` order); None: a chain
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def sparse_probs(self) -> list[tuple[list[int], list[float]]] | None:
         """q's non-zero entries per position, (ids, probs): what crosses the wire."""
-        if self.draft_probs is None:
-            return None
-        rows = []
-        for row in self.draft_probs:
-            ids = torch.nonzero(row > 0).flatten()
-            rows.append((ids.tolist(), row[ids].tolist()))
-        return rows
+        return None if self.draft_probs is None else to_sparse(self.draft_probs)
 
 
 def shapes_sequential_rounds(proposer) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cluster.errors import ConfigError
+from cluster.core.errors import ConfigError
 
 DRAFT_FILE = "tandem_draft.json"
 WEIGHTS_FILE = "model.safetensors"

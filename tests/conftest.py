@@ -10,8 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-from cluster import models
-from cluster.runner import TorchModelRunner
+from cluster.model import models
+from cluster.model.runner import TorchModelRunner
 from drafts.draft_model import quantized_copy
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
@@ -40,7 +40,7 @@ def draft_int8(target_fp32):
 @pytest.fixture(scope="module")
 def prompt_ids(request, tokenizer):
     """The test module's PROMPTS [(text, use_chat_template)], encoded."""
-    from cluster.engine import encode_prompt
+    from cluster.model.models import encode_prompt
 
     return [encode_prompt(tokenizer, text, chat) for text, chat in request.module.PROMPTS]
 

@@ -100,7 +100,7 @@ def serve_app(**overrides):
     import ray
     from ray import serve
 
-    from cluster.runtime import free_port, init_local_ray
+    from cluster.ray.runtime import free_port, init_local_ray
     from deployments.serving import DEFAULT_CONFIG, load_config, start
 
     init_local_ray(num_cpus=16)

@@ -10,7 +10,6 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec

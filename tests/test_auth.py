@@ -13,15 +13,15 @@ import grpc
 import pytest
 import ray
 
-from cluster.engine import EngineConfig
-from cluster.errors import ConfigError
-from cluster.router import Router
-from cluster.runner import TorchModelRunner
-from cluster.runtime import LOOPBACK, ClusterConfig, TandemCluster, init_local_ray
-from cluster.sampling import SamplingParams
-from cluster.transport import NetworkConfig, TLSConfig, advertised_endpoint, cluster_secret, open_channel
-from cluster.verifier import VerifierEngine
-from cluster.verifier_server import serve
+from cluster.core.config import EngineConfig, NetworkConfig, TLSConfig
+from cluster.core.errors import ConfigError
+from cluster.core.sampling import SamplingParams
+from cluster.model.runner import TorchModelRunner
+from cluster.model.verifier import VerifierEngine
+from cluster.ray.router import Router
+from cluster.ray.runtime import LOOPBACK, ClusterConfig, TandemCluster, init_local_ray
+from cluster.wire.transport import advertised_endpoint, cluster_secret, open_channel, server_credentials
+from cluster.wire.verifier_server import serve
 from protos import pb, rpc
 from tests.helpers import tiny_llama
 from tests.net_helpers import listening_hosts, self_signed, status_code
@@ -110,7 +110,7 @@ def test_network_config_is_checked(certs, tmp_path):
         EngineConfig.build(network={"tls": {"cert_file": certs["verifier"][0]}})
     missing = TLSConfig(cert_file=certs["verifier"][0], key_file=str(tmp_path / "nope.key"))
     with pytest.raises(ConfigError, match=r"network\.tls\.key_file: cannot read"):
-        missing.server_credentials()
+        server_credentials(missing)
 
 
 # ---- through Ray: the secret is made once per cluster and reaches routers of both runtimes ------

@@ -13,13 +13,15 @@ import grpc
 import httpx
 import openai
 import pytest
-from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import models as tok_models
 from transformers import PreTrainedTokenizerFast
 
-from cluster.engine import EngineConfig, make_proposer
-from cluster.errors import ConfigError, InvalidRequestError
-from cluster.sampling import SamplingParams
-from cluster.speculate import SpeculativeDecoder
+from cluster.core.config import EngineConfig
+from cluster.core.errors import ConfigError, InvalidRequestError
+from cluster.core.sampling import SamplingParams
+from cluster.session.speculate import SpeculativeDecoder
+from drafts.factory import make_proposer
 from protos import pb, rpc
 from tests.helpers import serve_app, tiny_llama
 
@@ -80,7 +82,7 @@ def test_draft_directory_that_is_not_a_model(tmp_path, target_fp32, tokenizer):
     (["generate", "hi", "--top-p", "2"], "top_p"),
 ])
 def test_cli_errors_are_one_line_and_exit_non_zero(args, message):
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -10,7 +10,7 @@ import time
 
 
 def _child(queue) -> None:
-    from cluster.bench_distributed import pin_threads
+    from tools.bench_distributed import pin_threads
 
     before = threading.Thread(target=time.sleep, args=(1.0,))
     before.start()  # a thread that exists when the process is pinned

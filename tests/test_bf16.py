@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import models
-from cluster.engine import encode_prompt
-from cluster.runner import TorchModelRunner
-from cluster.sampling import SamplingParams
-from cluster.speculate import SpeculativeDecoder
+from cluster.core.sampling import SamplingParams
+from cluster.model import models
+from cluster.model.models import encode_prompt
+from cluster.model.runner import TorchModelRunner
+from cluster.session.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer, quantized_copy
 from drafts.ngram import NGramProposer
 

@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from cluster.runner import TorchModelRunner
-from cluster.sampling import SamplingParams
-from cluster.speculate import SpeculativeDecoder
-from drafts.distill import DistillConfig, distill, greedy_agreement, stdlib_texts
+from cluster.core.sampling import SamplingParams
+from cluster.model.runner import TorchModelRunner
+from cluster.session.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from drafts.small_draft import DraftSpec, build_draft, load_draft, save_draft
-from drafts.validate import agreement, replay_rounds, validate
+from drafts.training.distill import DistillConfig, distill, greedy_agreement, stdlib_texts
+from drafts.training.validate import agreement, replay_rounds, validate
 from tests.helpers import OracleProposer
 
 PROMPTS = [
@@ -124,7 +124,7 @@ def test_adaptive_gamma_in_the_loop(target_fp32, tokenizer, prompt_ids, referenc
 
 def test_validate_cli_gate(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    base = [sys.executable, "-m", "cluster.cli", "drafts", "validate", "--prompts", "2", "--max-tokens", "16",
+    base = [sys.executable, "-m", "deployments.cli", "drafts", "validate", "--prompts", "2", "--max-tokens", "16",
             "--max-gamma", "3", "--json", str(tmp_path / "v.json"), "--plot", str(tmp_path / "v.png")]
     ok = subprocess.run(base + ["--min-acceptance", "0.1"], capture_output=True, text=True, env=env, timeout=600)
     assert ok.returncode == 0, ok.stderr

@@ -17,7 +17,8 @@ import openai
 import pytest
 import ray
 
-from deployments.failover import SessionProgress
+from cluster.core.sampling import SamplingParams
+from deployments.chunks import SessionProgress, TokensChunk
 from protos import pb, rpc
 from tests.helpers import SERVE_PROMPTS, serve_app
 
@@ -311,13 +312,14 @@ def test_stop_string_across_the_resume_point(server, tokenizer, prompt_ids, refe
     assert cut < len(head)  # the stop string starts before the resume point
     sent_text = full[:cut]  # what the ingress had streamed: the text before the pending stop string
     router = serve.get_deployment_handle("Router", "tandem")
-    params = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "stop": [stop], "seed": 7}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop], seed=7)
     chunks = list(router.options(stream=True).generate.remote(
         prompt_ids[0], params, None, SessionProgress(token_ids=ref[:k], text=sent_text)))
     final = chunks[-1]
-    assert final["finish_reason"] == "stop"
-    assert sent_text + "".join(c["text"] for c in chunks) == full[:cut]
-    assert sum(len(c["token_ids"]) for c in chunks) <= 1  # it stopped on the next token at the latest
+    assert final.finish_reason == "stop"
+    assert sent_text + "".join(c.text for c in chunks) == full[:cut]
+    # it stopped on the next token at the latest
+    assert sum(len(c.token_ids) for c in chunks if isinstance(c, TokensChunk)) <= 1
 
 
 def test_router_dying_on_every_attempt_gives_an_error_event(server, client):

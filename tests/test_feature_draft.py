@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from cluster import models
-from drafts import feature_draft
-from drafts.distill import stdlib_texts
-from drafts.feature_draft import FeatureDistillConfig, distill_feature, load_feature_draft
+from cluster.model import models
+from drafts.feature_model import load_feature_draft
+from drafts.training import feature_draft
+from drafts.training.distill import stdlib_texts
+from drafts.training.feature_draft import FeatureDistillConfig, distill_feature
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.codec import features_from_pb, features_to_pb
-from cluster.engine import EngineConfig, make_proposer, needs_features
-from cluster.errors import InvalidRequestError
-from cluster.runner import TorchModelRunner
-from cluster.sampling import SamplingParams
-from cluster.speculate import SpeculativeDecoder
-from cluster.verifier import Round, VerifierEngine
-from drafts.feature_draft import FeatureDraft
+from cluster.core.config import EngineConfig
+from cluster.core.errors import InvalidRequestError
+from cluster.core.sampling import SamplingParams
+from cluster.model.runner import TorchModelRunner
+from cluster.model.verifier import Round, VerifierEngine
+from cluster.session.speculate import SpeculativeDecoder
+from cluster.wire.codec import features_from_pb, features_to_pb
+from drafts.factory import make_proposer, needs_features
+from drafts.feature_model import FeatureDraft
 from drafts.feature_proposer import FeatureProposer
 from drafts.hybrid import MODEL, HybridProposer
 from protos import pb
@@ -132,11 +133,6 @@ def test_a_runner_without_features_refuses_a_feature_session(target_fp32):
         engine.open("s", [1, 2, 3], SamplingParams(max_tokens=4), features=True)
 
 
-def test_continuous_drafting_refuses_a_feature_draft(target_fp32, feature_proposer):
-    with pytest.raises(InvalidRequestError, match="continuous"):
-        SpeculativeDecoder(TorchModelRunner(target_fp32), feature_proposer, None, 3, continuous=True)
-
-
 # -- sampling: the distribution is the target's --------------------------------------------------
 
 @pytest.mark.parametrize("loop", [{}, {"pipeline_depth": 2}], ids=["sequential", "pipelined"])
@@ -163,9 +159,9 @@ def test_sampling_follows_target(loop):
 def test_shipped_draft_provenance_and_validate_gate(target_fp32, tokenizer):
     import json
 
-    from cluster.workloads import humaneval_prompts
+    from cluster.core.workloads import humaneval_prompts
     from drafts.feature_proposer import SHIPPED
-    from drafts.validate import Agreement, replay_rounds, validate
+    from drafts.training.validate import Agreement, replay_rounds, validate
 
     meta = json.loads((SHIPPED / "tandem_draft.json").read_text())
     assert meta["kind"] == "feature" and "drafts distill --kind feature" in meta["command"]

@@ -8,8 +8,8 @@ import json.decoder
 
 import pytest
 
-from cluster.sampling import SamplingParams
-from cluster.speculate import SpeculativeDecoder
+from cluster.core.sampling import SamplingParams
+from cluster.session.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
 from drafts.ngram import NGramProposer
 from tests.helpers import OracleProposer, SiblingOracleProposer
@@ -172,58 +172,3 @@ def test_token_tree_rounds_greedy_equal_transformers(kind, target_runner, draft_
     else:
         assert 0 < m.tree_branch_hits < m.tree_rounds
 
-
-class _SlowOracle(OracleProposer):
-    """An always-wrong oracle whose every draft step takes 30 ms (so rejections land mid-step)."""
-
-    def propose_batch(self, requests):
-        import time
-
-        time.sleep(0.03)
-        return super().propose_batch(requests)
-
-
-@pytest.mark.parametrize("kind,depth", [("draft", 2), ("always-wrong", 2), ("ngram", 1)])
-def test_continuous_drafting_greedy_equals_transformers(kind, depth, target_runner, draft_runner, tokenizer,
-                                                        prompt_ids, references):
-    """Continuous asynchronous drafting: the proposer drafts ahead in its own thread, rounds take what
-    it has drafted, rejections resync it at once."""
-    proposer = _make_proposer(kind, draft_runner, references, target_runner.vocab_size)
-    decoder = SpeculativeDecoder(target_runner, proposer, tokenizer, num_speculative_tokens=3, pipeline_depth=depth,
-                                 continuous=True)
-    try:
-        drafted = accepted = 0
-        for ids in prompt_ids[:3] + prompt_ids[8:10] if kind == "draft" else [prompt_ids[i] for i in (0, 5, 8)]:
-            result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
-            assert result.token_ids == references[tuple(ids)], f"{kind}: diverged on prompt {ids[:8]}..."
-            drafted += result.stats.drafted
-            accepted += result.stats.accepted
-        assert decoder.engine.num_sessions == 0 and proposer.num_sessions == 0, "sessions must be released"
-        ahead = decoder.ahead
-        assert drafted > 0 and ahead.steps > 0
-        assert ahead.stale_tokens <= ahead.cancels  # at most the one step in progress per rejection
-        if kind == "always-wrong":
-            assert accepted == 0 and ahead.cancels > 0
-        if kind == "draft":
-            assert accepted > 0.3 * drafted
-    finally:
-        decoder.ahead.stop()
-
-
-def test_rejection_cancels_stale_drafting_within_one_step(target_runner, tokenizer, prompt_ids, references):
-    """Counted, not timed: every rejection stops drafting in the old epoch after at most the draft step
-    that was running when it arrived (a token drafted in an old epoch is counted stale), although the
-    drafter has a long lookahead to fill."""
-    proposer = _SlowOracle(references, target_runner.vocab_size, wrong=True)
-    decoder = SpeculativeDecoder(target_runner, proposer, tokenizer, num_speculative_tokens=3, pipeline_depth=1,
-                                 continuous=True, lookahead=32, fill_min_redraft=100.0)  # rounds wait for drafts
-    try:
-        for ids in prompt_ids[:2]:
-            result = decoder.generate(ids, SamplingParams(max_tokens=24))
-            assert result.token_ids == references[tuple(ids)][:24] and result.stats.drafted > 0
-        ahead = decoder.ahead
-        assert ahead.cancels >= 20  # every round was rejected
-        assert 0 < ahead.stale_tokens <= ahead.cancels  # steps in progress were cut off, one token each at most
-        assert ahead.steps > ahead.cancels  # it did draft ahead (up to 32 tokens) while rounds were verified
-    finally:
-        decoder.ahead.stop()

@@ -7,14 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine import EngineConfig, make_proposer
-from cluster.runner import TorchModelRunner
-from cluster.sampling import SamplingParams
-from cluster.speculate import SpeculativeDecoder
+from cluster.core.config import EngineConfig
+from cluster.core.sampling import SamplingParams
+from cluster.model.runner import TorchModelRunner
+from cluster.session.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
-from drafts.hybrid import MODEL, NGRAM, HybridProposer, OwnMatch, SourceStats, suffix_match
+from drafts.factory import make_proposer
+from drafts.hybrid import MODEL, NGRAM, HybridProposer, SourceStats
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from drafts.proposer import DraftProposal, Proposer, SequenceProposer
+from drafts.suffix import OwnMatch, suffix_match
 from tests.helpers import tiny_llama
 from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
 
@@ -100,7 +102,7 @@ def test_greedy_equals_transformers_with_both_sources(target_fp32, draft_int8, t
 
 
 def test_engine_builds_the_hybrid(target_fp32, draft_int8, tokenizer, monkeypatch):
-    monkeypatch.setattr("cluster.engine.quantized_copy", lambda model: draft_int8)  # made once already
+    monkeypatch.setattr("drafts.factory.quantized_copy", lambda model: draft_int8)  # made once already
     config = EngineConfig.build(proposer="hybrid", max_ngram=4)
     proposer = make_proposer(config, target_fp32, tokenizer)
     assert isinstance(proposer, HybridProposer) and isinstance(proposer.model, DraftModelProposer)
@@ -134,8 +136,7 @@ class _MatchWithQ(HybridProposer):
                 else DraftProposal(p.token_ids, torch.full((len(p), 10), 0.1)) for s, p in out.items()}
 
 
-@pytest.mark.parametrize("loop", [{}, {"pipeline_depth": 2}, {"continuous": True}],
-                         ids=["sequential", "pipelined", "continuous"])
+@pytest.mark.parametrize("loop", [{}, {"pipeline_depth": 2}], ids=["sequential", "pipelined"])
 def test_sampling_follows_target(tiny_pair, loop):
     target, draft = tiny_pair
     params = SamplingParams(temperature=1.0)
@@ -145,12 +146,8 @@ def test_sampling_follows_target(tiny_pair, loop):
     hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=1, confident_match=4,
                             history_tokens=64)
     decoder = SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 3, **loop)
-    try:
-        samples = [tuple(decoder.generate(SAMPLE_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})).token_ids)
-                   for i in range(2000)]
-    finally:
-        if loop.get("continuous"):
-            decoder.ahead.stop()
+    samples = [tuple(decoder.generate(SAMPLE_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})).token_ids)
+               for i in range(2000)]
     report = hybrid.report()
     assert report[NGRAM]["rounds"] > 500 and report[MODEL]["rounds"] > 500 and report["pool_rounds"] > 100, report
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
@@ -317,7 +314,7 @@ def test_suffix_match_prefers_the_longest_then_the_earliest():
 
 def test_validate_replays_each_source_round_by_round():
     """`drafts validate`'s per-source figures: the hybrid's own choices along a known continuation."""
-    from drafts.validate import Agreement, replay_sources
+    from drafts.training.validate import Agreement, replay_sources
 
     prompt = [1, 2, 3, 4, 1, 2]
     record = Agreement(tokens=[3, 4, 9, 8, 7, 6], agree=[False, False, False, True, True, False])
@@ -333,7 +330,7 @@ def test_validate_replays_each_source_round_by_round():
 # -- several matches as one token tree -----------------------------------------------------------
 
 def test_suffix_alternatives_and_their_tree():
-    from drafts.hybrid import match_tree, suffix_alternatives
+    from drafts.suffix import match_tree, suffix_alternatives
 
     tokens = [1, 4, 2, 9, 1, 4, 7, 8, 3, 4, 5, 1, 4]  # suffix [1, 4] was followed by 2 and 7; [4] also by 5
     assert suffix_alternatives(tokens, 2, 3, 1, 3, exclude={7}) == [[2, 9], [5, 1]]
@@ -489,7 +486,7 @@ def test_own_matches_replace_plain_steps_sample_the_target_and_keep_the_drafter_
 
 
 def test_own_match_follows_the_engine_config():
-    from cluster.engine import own_match
+    from drafts.factory import own_match
 
     assert own_match(EngineConfig.build(proposer="hybrid")).max_tokens == 16
     assert own_match(EngineConfig.build(proposer="hybrid", match_tokens=3)) is None  # not longer than γ

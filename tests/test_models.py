@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from cluster import models
+from cluster.model import models
 
 
 def test_cache_dir_flag_and_environment(monkeypatch, tmp_path):
@@ -40,7 +40,7 @@ def test_prepared_model_equals_the_gguf_weights(tmp_path):
 
 def test_cli_prepare_prints_the_path(model_dir):
     env = {**os.environ, "TANDEM_CACHE_DIR": str(model_dir.parent.parent)}
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "models", "prepare"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "models", "prepare"], capture_output=True,
                           text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(model_dir)

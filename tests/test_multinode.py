@@ -13,10 +13,10 @@ import grpc
 import pytest
 import ray
 
-from cluster.engine import EngineConfig
-from cluster.runtime import ClusterConfig, PlacementConfig, TandemCluster
-from cluster.sampling import SamplingParams
-from cluster.transport import NetworkConfig, TLSConfig, bind_host
+from cluster.core.config import EngineConfig, NetworkConfig, PlacementConfig, TLSConfig
+from cluster.core.sampling import SamplingParams
+from cluster.ray.runtime import ClusterConfig, TandemCluster
+from cluster.wire.transport import bind_host
 from protos import pb, rpc
 from tests.net_helpers import listening_hosts, self_signed, status_code
 

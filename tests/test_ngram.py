@@ -1,7 +1,7 @@
 """Prompt lookup picks the continuation of the earliest, longest match."""
 
+from cluster.core.sampling import SamplingParams
 from drafts.ngram import NGramProposer, ngram_lookup
-from cluster.sampling import SamplingParams
 
 
 def test_longest_then_earliest_match():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.pipeline_model import pipelined_ceiling, simulate_pipelined, simulate_sequential
 from drafts.cost_model import predicted_speedup
+from drafts.pipeline_model import pipelined_ceiling, simulate_pipelined, simulate_sequential
 
 
 @pytest.mark.parametrize("alpha,c,gamma", [(0.86, 0.46, 3), (0.6, 0.1, 5), (0.95, 0.3, 2)])

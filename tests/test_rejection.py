@@ -9,9 +9,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import cluster.rejection as rejection
-from cluster.rejection import rejection_sample
-from cluster.sampling import SamplingParams, probabilities
+import cluster.core.rejection as rejection
+from cluster.core.rejection import rejection_sample
+from cluster.core.sampling import SamplingParams, probabilities
 
 GREEDY = SamplingParams(max_tokens=8)
 V = 8

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.errors import InvalidRequestError
-from cluster.runner import UnknownSessionError
+from cluster.core.errors import InvalidRequestError
+from cluster.model.runner import UnknownSessionError
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
 

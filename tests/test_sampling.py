@@ -10,8 +10,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from cluster.errors import InvalidRequestError
-from cluster.sampling import RandomStream, SamplingParams, probabilities, sample, uniform
+from cluster.core.errors import InvalidRequestError
+from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample, uniform
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.8, 10, 0.9)])

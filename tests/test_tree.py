@@ -12,11 +12,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import cluster.tree as tree_module
-from cluster.rejection import rejection_sample
-from cluster.sampling import RandomStream, SamplingParams, probabilities, sample
-from cluster.tree import SiblingScheme, TokenTree, sibling_draft_probs, tree_rejection_sample
-
+import cluster.core.tree as tree_module
+from cluster.core.rejection import rejection_sample
+from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
+from cluster.core.tree import SiblingScheme, TokenTree, sibling_draft_probs, tree_rejection_sample
 from tests.test_rejection import GREEDY, V, one_hot_logits  # the rejection sampler's own fixtures
 
 
@@ -380,7 +379,7 @@ def _plain_logits(runner, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("num_prefix", [0, 1, 3])
 def test_extend_tree_equals_plain_extends_along_each_path(attn_target, prompt_ids, num_prefix):
-    from cluster.runner import TorchModelRunner
+    from cluster.model.runner import TorchModelRunner
 
     runner = TorchModelRunner(attn_target)
     ids = prompt_ids[0]
@@ -404,7 +403,7 @@ def test_extend_tree_equals_plain_extends_along_each_path(attn_target, prompt_id
 
 @pytest.mark.parametrize("node_path", [[1, 4], [0, 2, 5], [0, 3], []], ids=str)
 def test_keep_tree_path_leaves_the_cache_of_the_accepted_branch(attn_target, prompt_ids, node_path):
-    from cluster.runner import TorchModelRunner
+    from cluster.model.runner import TorchModelRunner
 
     runner = TorchModelRunner(attn_target)
     ids = prompt_ids[1]
@@ -430,7 +429,7 @@ def test_trees_and_chains_batched_in_one_forward_equal_their_own_forwards(attn_t
     """`extend_batch(trees=...)`: a chain session and two tree sessions (prefixes of 1 and 0 tokens, caches
     of different lengths) in one forward give each session the logits of its own `extend` /
     `extend_tree`, and leave caches that `keep_tree_path` turns into the accepted branch's."""
-    from cluster.runner import TorchModelRunner
+    from cluster.model.runner import TorchModelRunner
 
     runner = TorchModelRunner(attn_target)
     a, b, c = prompt_ids[0], prompt_ids[1], prompt_ids[0][:-4]
@@ -553,8 +552,8 @@ def test_greedy_tree_loop_reproduces_transformers(target_runner, draft_runner, p
 
 
 def test_the_engine_verifies_tree_rounds_of_several_sessions_in_one_forward(target_fp32, prompt_ids):
-    from cluster.runner import TorchModelRunner
-    from cluster.verifier import Round, VerifierEngine
+    from cluster.model.runner import TorchModelRunner
+    from cluster.model.verifier import Round, VerifierEngine
 
     def run(sessions: list[int]) -> tuple[dict, int]:
         engine = VerifierEngine(TorchModelRunner(target_fp32))

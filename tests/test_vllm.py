@@ -18,12 +18,19 @@ pytest.importorskip("vllm")  # the only skip: this module needs vLLM installed
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from cluster import models  # noqa: E402
-from cluster.engine import EngineConfig, encode_prompt  # noqa: E402
-from cluster.errors import InvalidRequestError  # noqa: E402
-from cluster.sampling import SamplingParams  # noqa: E402
-from cluster.vllm_engine import VLLMEngine, drafter_spec  # noqa: E402
-from cluster import vllm_proposer as vp  # noqa: E402
+from cluster.core.config import EngineConfig
+from cluster.core.errors import InvalidRequestError  # noqa: E402
+from cluster.core.sampling import SamplingParams  # noqa: E402
+from cluster.model import models  # noqa: E402
+from cluster.model.models import encode_prompt
+from cluster.session.speculate import validate_request  # noqa: E402
+from cluster.vllm import engine as ve  # noqa: E402
+from cluster.vllm import patch  # noqa: E402
+from cluster.vllm.engine import RemoteDrafter, VLLMEngine, drafter_spec  # noqa: E402
+from cluster.vllm.proposer import TandemProposer  # noqa: E402
+from cluster.vllm.protocol import DrafterSpec  # noqa: E402
+from deployments.cli import main  # noqa: E402
+from tests.vllm_doubles import faulty_spec, replay_spec  # noqa: E402
 
 MAX_TOKENS = 40
 PROMPTS = {  # code, prose, chat
@@ -67,8 +74,8 @@ def spec(path, plain, reference):  # started after the plain engine has answered
     engine.shutdown()
 
 
-def _run(engine: VLLMEngine, prompts: dict, drafter: dict, **tuning):
-    engine.configure({**drafter, "wait_s": 5.0, **tuning})  # generous: these tests check correctness
+def _run(engine: VLLMEngine, prompts: dict, drafter: DrafterSpec, **tuning):
+    engine.configure(drafter.tuned(**{"wait_s": 5.0, **tuning}))  # generous: these tests check correctness
     before = engine.spec_metrics()
     outs = engine.generate_batch(list(prompts.values()), GREEDY)
     after = engine.spec_metrics()
@@ -76,9 +83,8 @@ def _run(engine: VLLMEngine, prompts: dict, drafter: dict, **tuning):
     return {name: o.token_ids for name, o in zip(prompts, outs)}, counters, engine.proposer_stats()
 
 
-def _replay(reference, prompts, wrong: bool, vocab_size: int) -> dict:
-    return {"client": "local", "kind": "replay", "wrong": wrong, "vocab_size": vocab_size,
-            "references": [[prompts[n], reference[n]] for n in prompts]}
+def _replay(reference, prompts, wrong: bool, vocab_size: int) -> DrafterSpec:
+    return replay_spec([[prompts[n], reference[n]] for n in prompts], wrong, vocab_size)
 
 
 # -- the CPU rejection-sampler fix (no engine) ------------------------------------------------------------
@@ -90,22 +96,22 @@ def test_sampler_fix_is_needed_and_right_here():
     import vllm
     from vllm.platforms import current_platform
 
-    state = vp.fix_rejection_sampler()
-    assert vllm.__version__ == vp.FIXED_VLLM_VERSION, "a new vLLM: re-check the rejection-sampler bug, then the pin"
+    state = patch.fix_rejection_sampler()
+    assert vllm.__version__ == patch.FIXED_VLLM_VERSION, "a new vLLM: re-check the rejection-sampler bug, then the pin"
     assert state["state"] == "applied", state
     current_platform.register_triton_kernel_overrides()  # what vLLM's worker does at start
-    original = vp._FIX["original_fn"]
+    original = patch._FIX["original_fn"]
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
     temperature = torch.tensor([0.5, 0.7, 0.9])
     expected = torch.tensor([0.5, 0.5, 0.7, 0.7, 0.7, 0.9])
     broken = [not torch.equal(original(temperature.clone(), cu, 6), expected) for _ in range(3)]
     assert any(broken), "vLLM's own expand_batch_to_tokens works here: the fix would be unneeded"
-    assert torch.equal(vp.expand_batch_to_tokens_reference(temperature, cu, 6), expected)
+    assert torch.equal(patch.expand_batch_to_tokens_reference(temperature, cu, 6), expected)
     top_k = torch.tensor([3, 0, 5], dtype=torch.int32)
-    got = vp.expand_batch_to_tokens_reference(top_k, cu, 6)
+    got = patch.expand_batch_to_tokens_reference(top_k, cu, 6)
     assert got.dtype == torch.int32 and got.tolist() == [3, 3, 0, 0, 0, 5]
     greedy = torch.tensor([-1.0, 0.7, -1.0])
-    assert vp.expand_batch_to_tokens_reference(greedy, cu, 6, replace_from=-1, replace_to=1).tolist() == \
+    assert patch.expand_batch_to_tokens_reference(greedy, cu, 6, replace_from=-1, replace_to=1).tolist() == \
         pytest.approx([1, 1, 0.7, 0.7, 0.7, 1])
     assert torch.equal(original(torch.tensor([3, 4, 5]), cu, 6), torch.tensor([3, 3, 4, 4, 4, 5]))  # int64 is fine
 
@@ -116,11 +122,11 @@ def test_sampler_fix_skips_steps_without_drafts():
     import vllm.v1.sample.rejection_sampler as rs
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    vp.fix_rejection_sampler()
+    patch.fix_rejection_sampler()
     empty = torch.empty(0, 16)
     with pytest.raises(RuntimeError):
         apply_top_k_top_p(empty.clone(), torch.empty(0, dtype=torch.int32), None)
-    assert rs.apply_sampling_constraints is not vp._FIX["original_constraints_fn"]
+    assert rs.apply_sampling_constraints is not patch._FIX["original_constraints_fn"]
     assert rs.apply_sampling_constraints(empty, torch.zeros(1, dtype=torch.int32), None) is empty
 
 
@@ -210,7 +216,7 @@ def test_always_wrong_proposer(spec, prompts, reference, gamma):
 
 
 def test_failing_drafter_falls_back_to_plain_decoding(spec, prompts, reference):
-    faulty = {**INT8, "fail_after": 3}  # the drafter raises from its 4th batch on
+    faulty = faulty_spec(INT8, 3)  # the drafter raises from its 4th batch on
     outputs, counters, stats = _run(spec, prompts, faulty, overlap=False)
     assert outputs == reference
     assert stats["drafter_failures"] == len(prompts)  # each request fell back once, logged and counted
@@ -220,7 +226,7 @@ def test_failing_drafter_falls_back_to_plain_decoding(spec, prompts, reference):
 
 
 def test_slow_drafter_gets_plain_steps_not_a_stalled_engine(spec, prompts, reference):
-    spec.configure({**INT8, "wait_s": 0.0, "overlap": True})  # never wait for a draft
+    spec.configure(INT8.tuned(wait_s=0.0, overlap=True))  # never wait for a draft
     t0 = time.perf_counter()
     outs = spec.generate_batch(list(prompts.values()), GREEDY)
     assert time.perf_counter() - t0 < 60
@@ -230,8 +236,6 @@ def test_slow_drafter_gets_plain_steps_not_a_stalled_engine(spec, prompts, refer
 
 
 def test_bad_input_refused_like_the_torch_path(spec):
-    from cluster.speculate import validate_request
-
     for ids, params in [([], GREEDY), ([1, 2, spec.vocab_size], GREEDY),
                         ([1] * 10, SamplingParams(max_tokens=spec.max_context))]:
         with pytest.raises(InvalidRequestError) as vllm_error:
@@ -252,15 +256,12 @@ def test_bad_input_refused_like_the_torch_path(spec):
 def test_cli_generate_json_through_vllm(spec, prompts, reference, monkeypatch, capsys):
     """`tandem generate --engine vllm --json --chat --proposer draft` (the module's engine stands in for
     a fresh one, which would cost another 30 s start)."""
-    import cluster.vllm_engine as ve
-    from cluster.cli import main
-
     made = []
 
     class Decoder:
         def __init__(self, config, distributed=False):
             made.append((config, distributed))
-            spec.configure({**drafter_spec(config), "wait_s": 5.0, "max_k": config.num_speculative_tokens})
+            spec.configure(drafter_spec(config).tuned(wait_s=5.0, max_k=config.num_speculative_tokens))
             self.tokenizer = spec.tokenizer
 
         def generate(self, ids, params):
@@ -335,8 +336,7 @@ def test_sampled_speculative_output_has_the_target_distribution(spec, path):
             expected[(t1, t2)] = p1 * p2
 
     # drafts for token 2: the target's own greedy choice after each t1 (accepted with probability p(t2*|t1))
-    spec.configure({"client": "local", "kind": "replay", "wrong": False, "vocab_size": spec.vocab_size,
-                    "references": greedy_t2, "wait_s": 5.0, "overlap": False})
+    spec.configure(replay_spec(greedy_t2, False, spec.vocab_size, wait_s=5.0, overlap=False))
     before = spec.spec_metrics()
     pairs = _sample_pairs(spec, prompt, n, top_k)
     after = spec.spec_metrics()
@@ -353,16 +353,14 @@ def test_sampled_speculative_output_has_the_target_distribution(spec, path):
 def test_remote_drafter_killed_mid_request(spec, path):
     import ray
 
-    from cluster.vllm_engine import RemoteDrafter
-
     remote = RemoteDrafter(EngineConfig(target=str(path), dtype="float32", num_speculative_tokens=4))
     try:
         tokenizer = models.load_tokenizer(path)
         prompt = encode_prompt(tokenizer, "Write a long story about a lighthouse keeper.", True)
         params = SamplingParams(max_tokens=160, ignore_eos=True)
-        spec.configure({"client": "none"})
+        spec.configure(DrafterSpec())  # no drafter
         expected = spec.generate(prompt, params).token_ids
-        spec.configure({**remote.spec(), "wait_s": 5.0, "overlap": True})
+        spec.configure(remote.spec().tuned(wait_s=5.0, overlap=True))
         warm = spec.generate(prompt, SamplingParams(max_tokens=24))
         assert warm.token_ids == expected[:24]
         assert spec.proposer_stats()["hits"] > 0  # drafts came from the actor
@@ -377,13 +375,13 @@ def test_remote_drafter_killed_mid_request(spec, path):
         assert stats["empty_failed"] > 0
     finally:
         remote.shutdown()
-        spec.configure({"client": "none"})
+        spec.configure(DrafterSpec())
         ray.shutdown()
 
 
 def test_proposer_never_raises_into_vllm():
     """An exception inside propose is caught, logged and counted: vLLM gets [] rows."""
-    proposer = vp.TandemProposer(None)
+    proposer = TandemProposer(None)
     proposer.client, proposer.max_k = object(), 4  # no runner: every attribute access below fails
 
     class Broken:

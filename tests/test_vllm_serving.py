@@ -10,6 +10,7 @@ Runs when vLLM is importable (CI installs it); one application for the module (~
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import grpc
@@ -20,11 +21,17 @@ import ray
 
 pytest.importorskip("vllm")  # the only skip: this module needs vLLM installed
 
-from cluster.errors import ConfigError  # noqa: E402
+from cluster.core.config import EngineConfig  # noqa: E402
+from cluster.core.errors import ConfigError  # noqa: E402
+from cluster.core.messages import SyncOp  # noqa: E402
+from cluster.vllm.client import make_client  # noqa: E402
+from cluster.vllm.engine import drafter_spec  # noqa: E402
+from cluster.vllm.protocol import DrafterSpec, ProposerImport, RequestKey  # noqa: E402
 from deployments.config import TandemAppConfig  # noqa: E402
 from protos import pb, rpc  # noqa: E402
 from tests.helpers import SERVE_PROMPTS, serve_app  # noqa: E402
 from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error, _generate  # noqa: E402
+from tests.vllm_doubles import replay_spec  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
@@ -32,6 +39,7 @@ MAX_TOKENS = 24
 PROMPTS = SERVE_PROMPTS
 METADATA = (("application", "tandem"),)
 VERIFIER = f"Verifier:{MODEL}"
+_INT8 = drafter_spec(EngineConfig(dtype="float32"))  # the in-worker int8 drafter of tests/test_vllm.py
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +66,73 @@ def _ref(references, prompt_ids, i):
 
 
 def test_request_ids_carry_the_per_request_cap():
-    from cluster.vllm_proposer import request_cap, request_id
+    def request_cap(key):
+        return RequestKey.parse(key).cap
 
-    assert request_id("tandem-ab12", None) == "tandem-ab12" and request_cap("tandem-ab12") is None
-    assert request_cap(request_id("tandem-ab12", 0)) == 0 and request_cap(request_id("s~kx", 2)) == 2
+    assert str(RequestKey("tandem-ab12", None)) == "tandem-ab12" and request_cap("tandem-ab12") is None
+    assert request_cap(str(RequestKey("tandem-ab12", 0))) == 0 and request_cap(str(RequestKey("s~kx", 2))) == 2
     assert request_cap("~k3") is None  # no session before the cap
+    # typed: a round trip; vLLM's internal id is the front door's id plus "-" and 8 characters
+    assert RequestKey.parse(str(RequestKey("tandem-ab12", 3))) == RequestKey("tandem-ab12", 3)
+    assert RequestKey.parse("tandem-ab12") == RequestKey("tandem-ab12")
+    assert RequestKey.parse("s~k") == RequestKey("s~k") and RequestKey.parse("s~k-1").cap is None
+    assert RequestKey.parse("a~k1~k2") == RequestKey("a~k1", 2)
+    with pytest.raises(ValueError):
+        RequestKey("s", -1)
+    assert RequestKey.from_vllm("tandem-ab12~k0-1a2b3c4d") == "tandem-ab12~k0"
+    assert RequestKey.from_vllm("short") == "short" and RequestKey.from_vllm("-1a2b3c4d") == "-1a2b3c4d"
+
+
+def test_drafter_spec_names_one_drafter_and_keeps_it_across_tuning():
+    assert not DrafterSpec().has_drafter and _INT8.has_drafter and _INT8.engine.threads is None
+    with pytest.raises(ValueError, match="at most one source"):
+        DrafterSpec(engine=_INT8.engine, proposer_import=ProposerImport(path="tests.vllm_doubles:replay"))
+    with pytest.raises(ValueError):
+        _INT8.tuned(on_miss="later")
+    tuned = _INT8.tuned(overlap=False, wait_s=1.0, max_k=2, on_miss="wait", wait_first=False)
+    assert tuned.drafter_part() == _INT8.drafter_part() and tuned != _INT8
+    assert _INT8.tuned(label="sync").drafter_part() != _INT8.drafter_part()
+    assert DrafterSpec.model_validate(tuned.wire()) == tuned  # what collective_rpc carries
+    json.dumps(tuned.wire())
+
+
+def test_local_client_keeps_each_sessions_order_and_batches():
+    """The in-worker drafting thread: start before propose, a rollback before the draft it precedes,
+    release before later calls; proposes of several sessions queued together are one batch."""
+    refs = [[[1, 2], [3, 4, 5, 6]], [[7], [8, 9]]]
+    client = make_client(replay_spec(refs, False, 100))
+    try:
+        assert client.name == "always-right"
+        assert client.start_and_propose("a", [1, 2], 2).result(5) == [3, 4]
+        assert client.propose("a", 2).result(5) == [5, 6]
+        assert client.resume("a", 3, [1, 2, 3, 4], 1).result(5) == [5]  # rolled back to 3 tokens, then 4
+        b = client.start_and_propose("b", [7], 2)
+        assert b.result(5) == [8, 9]
+        client.release("a")
+        with pytest.raises(Exception, match="unknown session"):
+            client.propose("a", 1).result(5)
+        client.start_and_propose("c", [1, 2], 1).result(5)
+        batches, entered, gate = [], threading.Event(), threading.Event()
+        inner = client.proposer.propose_batch
+
+        def propose_batch(requests):
+            batches.append(dict(requests))
+            if "b" in requests:  # hold the drafting thread while c and d queue up
+                entered.set()
+                gate.wait(5)
+            return inner(requests)
+
+        client.proposer.propose_batch = propose_batch
+        first = client.propose("b", 1)
+        assert entered.wait(5)
+        c, d = client.propose("c", 1), client.propose("b", 1, [SyncOp(length=2, token_ids=[])])
+        gate.set()
+        assert first.result(5) == [] and c.result(5) == [4] and d.result(5) == [9]
+        assert batches == [{"b": 1}, {"c": 1, "b": 1}]  # queued together: one batch
+    finally:
+        client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        client.propose("b", 1).result(5)
 
 
 def test_feature_draft_refused_for_vllm():

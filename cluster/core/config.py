@@ -1,0 +1,98 @@
+"""Configuration leaves: what runs where in one process (`EngineConfig`) and how the internal gRPC
+service listens (`NetworkConfig`, `TLSConfig`). Pure pydantic models, validated at the edge; every
+layer above reads them, none of them imports anything of tandem but its errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cluster.core.errors import ConfigError, validation_message
+
+
+class TLSConfig(BaseModel):
+    """PEM files for the internal `Verifier` service's TLS (paths as seen on the verifier's node)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cert_file: str = Field(..., min_length=1, description="PEM certificate (chain) the verifier presents; it must name the address routers dial (an IP SAN) or `server_name`.")
+    key_file: str = Field(..., min_length=1, description="PEM private key of `cert_file`.")
+    ca_file: str | None = Field(None, min_length=1, description="PEM CA certificate(s) that `cert_file` chains to; routers verify the verifier against it. Default: `cert_file` itself (self-signed).")
+    server_name: str | None = Field(None, min_length=1, description="Name routers expect in the certificate instead of the IP address they dial (gRPC's `ssl_target_name_override`).")
+
+    def read_pem(self, field: str) -> bytes:
+        path = getattr(self, field)
+        try:
+            return Path(path).expanduser().read_bytes()
+        except OSError as e:
+            raise ConfigError(f"network.tls.{field}: cannot read {path!r}: {e.strerror or e}") from None
+
+    def root_certificates(self) -> bytes:
+        return self.read_pem("ca_file" if self.ca_file else "cert_file")
+
+
+class NetworkConfig(BaseModel):
+    """How a verifier's internal gRPC service listens and is reached."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bind: Literal["node", "loopback"] = Field("node", description="Address the verifier binds and advertises: 'node' = the Ray node's IP (127.0.0.1 on a single-machine loopback cluster, so nothing listens elsewhere; the node's own address on a multi-node cluster); 'loopback' = always 127.0.0.1 (routers must share the verifier's machine).")
+    tls: TLSConfig | None = Field(None, description="Serve the internal `Verifier` service over TLS with these certificates (recommended across nodes). None: plaintext; calls are still authenticated with the cluster secret.")
+
+
+INT8_DRAFT = "int8"
+
+
+class EngineConfig(BaseModel):
+    """What runs where in one process."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str = Field("default", description="Target model: 'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory.")
+    proposer: Literal["draft", "ngram", "hybrid", "none"] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model), 'hybrid' (a suffix match when one is long enough, else the draft model, chosen per round from each one's acceptance) or 'none' (plain target decoding).")
+    draft: str = Field(INT8_DRAFT, description="Draft model for proposers 'draft' and 'hybrid': 'int8' (int8 dynamic-quantized copy of the target), 'feature' (the feature-fed draft shipped for the default target, drafts/trained/feature-smollm2-135m: it reads the target's last hidden state, which the verifier sends), a tandem draft directory (`tandem drafts distill`) or a local model directory with the target's tokenizer.")
+    num_speculative_tokens: int = Field(3, ge=0, le=32, description="Tokens drafted per round (γ); 0 is plain target decoding.")
+    dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Target (and model draft) dtype; the int8 draft computes in float32.")
+    device: str | None = Field(None, description="torch device; CUDA when visible, else CPU.")
+    threads: int | None = Field(1, ge=1, description="torch intra-op threads for this process (None leaves torch's default).")
+    cache_dir: str | None = Field(None, description="Model cache root (default $TANDEM_CACHE_DIR or ~/.cache/tandem).")
+    max_ngram: int = Field(3, ge=1, le=16, description="Longest n-gram the prompt-lookup proposer matches.")
+    tree_width: int = Field(1, ge=1, le=4, description="Sequential rounds, verified as a token tree in one forward: the draft model's candidates at the first draft position (its most likely tokens); the hybrid's match rounds: up to this many continuations of the session's own suffix with different first tokens. 1 drafts a chain.")
+    match_tokens: int = Field(16, ge=0, le=32, description="Proposer 'hybrid', sequential rounds: a suffix match at least 4 tokens long proposes up to this many tokens of its continuation instead of γ (a long match tends to go on; its drafts cost nothing and verifying more of them little; BENCHMARKS.md). 0 (or at most γ): match rounds are γ long like the model's.")
+    own_matches: bool = Field(True, description="Proposer 'hybrid' with long match rounds: the router drafts a match of the session's own suffix at least 4 tokens long itself, up to match_tokens, without calling the drafter: in sequential rounds, and in place of the plain steps the speculation policy chooses (BENCHMARKS.md).")
+    network: NetworkConfig = Field(default_factory=NetworkConfig, description="The verifier's internal gRPC service: the address it binds and advertises ('node' or 'loopback') and optional TLS; calls always need the cluster secret.")
+    backend: Literal["torch", "vllm"] = Field("torch", description="Target engine: 'torch' (tandem's own runner over transformers' models, the default) or 'vllm' (vLLM owns the target and its decoding loop; tandem's drafter proposes through vLLM's custom proposer class; needs `pip install -e '.[vllm]'`).")
+
+    @classmethod
+    def build(cls, **kwargs) -> "EngineConfig":
+        try:
+            return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        except ValidationError as e:
+            raise ConfigError(validation_message(e)) from None
+
+
+class PlacementConfig(BaseModel):
+    """Resources of one actor: GPUs (fractional allowed), accelerator type, custom resources."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the actor.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor; fractions share a device.")
+    accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. 'L4' or 'H100'.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources, e.g. {'draft_node': 1}.")
+
+    def bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        if self.accelerator_type:
+            bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return bundle
+
+
+def check_tp_placement(tensor_parallel_size: int, engine: EngineConfig, placement: PlacementConfig, field: str) -> None:
+    """Tensor parallelism on GPUs needs a whole GPU per rank (`field`: where the ranks' placement is configured)."""
+    if tensor_parallel_size > 1 and engine.device not in (None, "cpu") and placement.num_gpus < 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} on GPUs needs {field}.num_gpus >= 1")

@@ -1,0 +1,116 @@
+"""Sampling parameters, logits processing and position-keyed random numbers.
+
+The same `probabilities()` is applied to the target's logits (p) and the draft's logits (q), so the
+rejection test compares like with like. Random numbers come from (request seed, token position,
+stream): a seeded request is reproducible however its tokens are grouped into rounds.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cluster.core.errors import InvalidRequestError, validation_message
+
+
+class SamplingParams(BaseModel):
+    """How one request is decoded. `temperature == 0` is greedy decoding."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(64, ge=1, description="Most tokens to generate (the stop reason is then 'length').")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="Softmax temperature; 0 means greedy (argmax).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of tokens with this much probability.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 keeps all.")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling; random when unset.")
+    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings; the text ends before the first one.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def build(cls, **kwargs) -> "SamplingParams":
+        """Validate user input; errors become one clear `InvalidRequestError` line. Done once per request
+        where it enters (the Serve ingress, the in-process CLI) and on the verifier's gRPC port; every
+        hop between carries the validated object as it is (pickled through Serve and Ray)."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as e:
+            raise InvalidRequestError(validation_message(e)) from None
+
+    def with_seed(self) -> "SamplingParams":
+        """A copy with a concrete seed (drawn from the OS when unset), fixed for the whole request; itself
+        when it has one. Not validated again (`model_copy`)."""
+        if self.seed is not None:
+            return self
+        return self.model_copy(update={"seed": int.from_bytes(os.urandom(8), "little") >> 1})
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (transformers' order), then softmax.
+
+    logits  # [n, vocab_size] -> probs  # [n, vocab_size], float32
+    """
+    logits = logits.float() / max(params.temperature, 1e-5)
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+class RandomStream(enum.IntEnum):
+    """Independent random streams at one token position."""
+
+    ACCEPT = 1  # the uniform of the acceptance test
+    TARGET = 2  # a recovered or bonus token (and plain target sampling)
+    DRAFT = 3  # the draft model's own sample
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_generator(seed: int, position: int, stream: RandomStream) -> torch.Generator:
+    """A CPU generator determined by (seed, position, stream) alone."""
+    key = _splitmix64(_splitmix64(_splitmix64(seed) ^ position) ^ int(stream))
+    return torch.Generator().manual_seed(key >> 1)
+
+
+def uniform(seed: int, position: int, stream: RandomStream) -> float:
+    return torch.rand((), generator=position_generator(seed, position, stream)).item()
+
+
+def sample(probs: torch.Tensor, seed: int, position: int, stream: RandomStream) -> int:
+    """Draw one token id from `probs  # [vocab_size]` by inverse CDF with a position-keyed uniform."""
+    cdf = probs.double().cumsum(dim=-1)  # [vocab_size]
+    u = uniform(seed, position, stream) * cdf[-1].item()
+    index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).item())
+    index = min(index, probs.shape[-1] - 1)
+    while probs[index] <= 0 and index > 0:  # never land on a zero-probability id through rounding
+        index -= 1
+    return index

@@ -1,0 +1,374 @@
+"""The torch model runner: one causal LM, many sessions, each with its own KV cache.
+
+Verbs: `add_session`, `extend(session, token_ids) -> logits for the new positions`, `truncate(session,
+length)` (rollback: moves a cursor, never copies), `release`. `extend_batch` extends several sessions
+in one forward pass. The model definition is Hugging Face `transformers`' own; the runner only owns
+the cache layout (a growable buffer with a length cursor per layer, gpt-fast style).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Hashable
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from cluster.core.errors import InvalidRequestError, TandemError
+
+if TYPE_CHECKING:
+    from cluster.core.tree import TokenTree
+
+SessionId = Hashable
+
+
+class UnknownSessionError(TandemError, KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class CursorLayer(DynamicLayer):
+    """One layer's keys/values in a buffer that grows by doubling; `length` is the valid prefix.
+
+    `crop` moves the cursor back (rollback without copying); `update` writes at the cursor.
+    """
+
+    def __init__(self, capacity: int = 256):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, head_dim = key_states.shape
+        self.keys = key_states.new_empty(batch, heads, self.capacity, head_dim)  # [B, H, cap, D]
+        self.values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        self.length = 0
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.keys.shape[-2])
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[-1])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            self._grow(end)
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # transformers' convention: a negative value removes that many tokens; positive is a length.
+        new_length = self.length + tokens_to_remove if tokens_to_remove < 0 else min(self.length, tokens_to_remove)
+        self.length = max(0, new_length)
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def _new_cache(num_layers: int, capacity: int = 256) -> Cache:
+    return Cache(layers=[CursorLayer(capacity) for _ in range(num_layers)])
+
+
+@dataclass
+class _Session:
+    cache: Cache
+
+    @property
+    def length(self) -> int:
+        return self.cache.layers[0].get_seq_length()
+
+
+class TorchModelRunner:
+    """Runs one Hugging Face causal LM on CPU or CUDA for many sessions."""
+
+    batches_trees = True  # extend_batch scores token trees beside chains in one forward
+
+    def __init__(self, model: torch.nn.Module, name: str = "model"):
+        self.model = model.eval()
+        self.name = name
+        config = model.config.get_text_config(decoder=True)
+        self.num_layers: int = config.num_hidden_layers
+        self.vocab_size: int = config.vocab_size
+        self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.device: torch.device = next(model.parameters()).device
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        self._sessions: dict[SessionId, _Session] = {}
+        self._ids = itertools.count()
+        # sessions whose last hidden state (post-norm: what the head reads) each forward keeps, for a
+        # feature-fed draft; `hidden[session]` holds the last forward's rows  # [new positions, H] bf16
+        self.capture: set[SessionId] = set()
+        self.hidden: dict[SessionId, torch.Tensor] = {}
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def add_session(self, session: SessionId | None = None) -> SessionId:
+        session = next(self._ids) if session is None else session
+        if session in self._sessions:
+            raise InvalidRequestError(f"session {session!r} already exists on {self.name}")
+        self._sessions[session] = _Session(_new_cache(self.num_layers))
+        return session
+
+    def _get(self, session: SessionId) -> _Session:
+        try:
+            return self._sessions[session]
+        except KeyError:
+            raise UnknownSessionError(f"unknown session {session!r} on {self.name}") from None
+
+    def has_session(self, session: SessionId) -> bool:
+        return session in self._sessions
+
+    def length(self, session: SessionId) -> int:
+        return self._get(session).length
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def truncate(self, session: SessionId, length: int) -> None:
+        """Roll back to the first `length` tokens: moves each layer's cursor."""
+        state = self._get(session)
+        if not 0 <= length <= state.length:
+            raise ValueError(f"cannot truncate session {session!r} of length {state.length} to {length}")
+        state.cache.crop(length)
+
+    def release(self, session: SessionId) -> None:
+        self._sessions.pop(session, None)
+        self.capture.discard(session)
+        self.hidden.pop(session, None)
+
+    @property
+    def supports_features(self) -> bool:
+        """Whether `capture` works: a decoder and a plain linear head (no logit soft-capping)."""
+        config = self.model.config.get_text_config(decoder=True)
+        return (hasattr(self.model, "get_decoder") and hasattr(self.model, "lm_head")
+                and not getattr(config, "final_logit_softcapping", None))
+
+    def _forward(self, sessions: Sequence[SessionId], rows: Sequence[int], logits_to_keep, **kwargs):
+        """The model's forward; logits  # [B, kept, vocab_size]. For sessions in `capture`, the decoder's
+        last hidden state of their first `rows[i]` positions goes to `hidden` (the head then reads the
+        same hidden state: the logits are the model's own)."""
+        if not self.capture.intersection(sessions):
+            return self.model(logits_to_keep=logits_to_keep, **kwargs).logits
+        hidden = self.model.get_decoder()(**kwargs).last_hidden_state  # [B, n, H]
+        for i, s in enumerate(sessions):
+            if s in self.capture:
+                self.hidden[s] = hidden[i, : rows[i]].to("cpu", torch.bfloat16)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return self.model.lm_head(hidden[:, keep, :])
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _check_room(self, state: _Session, session: SessionId, n: int) -> None:
+        if state.length + n > self.max_context:
+            raise InvalidRequestError(
+                f"session {session!r} would reach {state.length + n} tokens, over the "
+                f"{self.max_context}-token context of {self.name}"
+            )
+
+    @torch.inference_mode()
+    def extend(self, session: SessionId, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
+        """Append `token_ids` to the session; return float32 logits of the last `num_logits` new
+        positions (all of them by default)  # [num_logits, vocab_size]"""
+        state = self._get(session)
+        n = len(token_ids)
+        if n == 0:
+            return torch.empty(0, self.vocab_size)
+        self._check_room(state, session, n)
+        num_logits = n if num_logits is None else min(num_logits, n)
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        start = state.length
+        position_ids = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
+        logits = self._forward([session], [n], max(num_logits, 1), input_ids=input_ids, position_ids=position_ids,
+                               past_key_values=state.cache, use_cache=True)[0].float()  # [max(num_logits, 1), vocab_size]
+        return logits[logits.shape[0] - num_logits :]
+
+    @torch.inference_mode()
+    def extend_batch(self, requests: Mapping[SessionId, Sequence[int]],
+                     num_logits: Mapping[SessionId, int] | None = None,
+                     trees: Mapping[SessionId, tuple[int, "TokenTree"]] | None = None) -> dict[SessionId, torch.Tensor]:
+        """Extend several sessions in one forward pass.
+
+        Cached keys/values are left-padded to a common length and new tokens right-padded; an
+        attention mask hides the padding and position ids keep each session's own positions.
+        `trees`: sessions whose new tokens are `num_prefix` committed tokens and then a token tree's
+        nodes (`requests[s]` = prefix + tree.token_ids), scored as `extend_tree` scores them (all their
+        logits are returned; `keep_tree_path` keeps the accepted branch), in the same forward.
+        """
+        requests = {s: list(t) for s, t in requests.items() if len(t) > 0}
+        trees = {s: t for s, t in (trees or {}).items() if s in requests}
+        if len(requests) <= 1:
+            return {s: self.extend_tree(s, t[: trees[s][0]], trees[s][1]) if s in trees
+                    else self.extend(s, t, (num_logits or {}).get(s)) for s, t in requests.items()}
+        if trees:
+            return self._extend_batch_masked(requests, num_logits or {}, trees)
+        sessions = list(requests)
+        states = [self._get(s) for s in sessions]
+        for s, state in zip(sessions, states):
+            self._check_room(state, s, len(requests[s]))
+        lengths = [state.length for state in states]
+        counts = [len(requests[s]) for s in sessions]
+        keep = [min((num_logits or {}).get(s, counts[i]), counts[i]) for i, s in enumerate(sessions)]
+        batch, past, new = len(sessions), max(lengths), max(counts)
+        dev = self.device
+
+        input_ids = torch.zeros(batch, new, dtype=torch.long, device=dev)  # [B, new]
+        position_ids = torch.zeros(batch, new, dtype=torch.long, device=dev)  # [B, new]
+        attention_mask = torch.zeros(batch, past + new, dtype=torch.long, device=dev)  # [B, past + new]
+        for i, s in enumerate(sessions):
+            input_ids[i, : counts[i]] = torch.tensor(requests[s], device=dev)
+            position_ids[i] = torch.arange(lengths[i], lengths[i] + new, device=dev)
+            attention_mask[i, past - lengths[i] : past + counts[i]] = 1
+
+        cache = self._left_padded_cache(states, lengths, past, new)
+
+        lo = min(c - k for c, k in zip(counts, keep))
+        hi = max(counts)
+        logits = self._forward(sessions, counts, torch.arange(lo, hi, device=dev), input_ids=input_ids,
+                               position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache,
+                               use_cache=True).float()  # [B, hi - lo, vocab_size]
+
+        self._write_back(cache, states, past, counts)
+        return {s: logits[i, counts[i] - keep[i] - lo : counts[i] - lo] for i, s in enumerate(sessions)}
+
+    def _extend_batch_masked(self, requests: dict, num_logits: Mapping, trees: Mapping) -> dict[SessionId, torch.Tensor]:
+        """`extend_batch` with token trees among the sessions: a 4-D additive mask per session (its cache,
+        then its prefix causally and its tree's nodes along their own paths) and per-token positions."""
+        sessions = list(requests)
+        states = [self._get(s) for s in sessions]
+        for s, state in zip(sessions, states):
+            self._check_room(state, s, len(requests[s]))
+        lengths = [state.length for state in states]
+        counts = [len(requests[s]) for s in sessions]
+        batch, past, new = len(sessions), max(lengths), max(counts)
+        input_ids = torch.zeros(batch, new, dtype=torch.long)  # [B, new]
+        position_ids = torch.zeros(batch, new, dtype=torch.long)  # [B, new]
+        allowed = torch.zeros(batch, new, past + new, dtype=torch.bool)  # [B, new, past + new]
+        allowed[:, torch.arange(new), past + torch.arange(new)] = True  # every row sees itself (padding too)
+        for i, s in enumerate(sessions):
+            n_i, start = counts[i], lengths[i]
+            input_ids[i, :n_i] = torch.tensor(requests[s])
+            allowed[i, :n_i, past - start:past] = True  # its cache
+            if s in trees:
+                num_prefix, tree = trees[s]
+                base = start + num_prefix
+                position_ids[i, :num_prefix] = torch.arange(start, base)
+                position_ids[i, num_prefix:n_i] = base + torch.tensor(tree.position_offsets(), dtype=torch.long)
+                position_ids[i, n_i:] = base + len(tree)
+                allowed[i, :num_prefix, past:past + num_prefix] = torch.ones(num_prefix, num_prefix, dtype=torch.bool).tril()
+                allowed[i, num_prefix:n_i, past:past + num_prefix] = True
+                allowed[i, num_prefix:n_i, past + num_prefix:past + n_i] = tree.attention_mask()
+            else:
+                position_ids[i] = torch.arange(start, start + new)
+                allowed[i, :n_i, past:past + n_i] = torch.ones(n_i, n_i, dtype=torch.bool).tril()
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        cache = self._left_padded_cache(states, lengths, past, new)
+        dev = self.device
+        logits = self._forward(sessions, counts, 0, input_ids=input_ids.to(dev), position_ids=position_ids.to(dev),
+                               attention_mask=mask[:, None].to(dev),  # [B, 1, new, past + new]
+                               past_key_values=cache, use_cache=True).float()  # [B, new, vocab_size]
+        self._write_back(cache, states, past, counts)
+        keep = [n if s in trees else min(num_logits.get(s, n), n) for s, n in zip(sessions, counts)]
+        return {s: logits[i, counts[i] - keep[i]:counts[i]] for i, s in enumerate(sessions)}
+
+    def _left_padded_cache(self, states: list[_Session], lengths: list[int], past: int, new: int) -> Cache:
+        """A batch cache holding each session's keys/values left-padded to `past`, with room for `new`."""
+        cache = _new_cache(self.num_layers, capacity=past + new)
+        if past > 0:
+            batch = len(states)
+            for layer_idx, layer in enumerate(cache.layers):
+                first = states[0].cache.layers[layer_idx]
+                keys = first.keys.new_zeros(batch, first.keys.shape[1], past, first.keys.shape[-1])  # [B, H, past, D]
+                values = first.values.new_zeros(batch, first.values.shape[1], past, first.values.shape[-1])
+                for i, state in enumerate(states):
+                    src = state.cache.layers[layer_idx]
+                    if lengths[i]:
+                        keys[i, :, past - lengths[i] :] = src.keys[0, :, : lengths[i]]
+                        values[i, :, past - lengths[i] :] = src.values[0, :, : lengths[i]]
+                layer.update(keys, values)
+        return cache
+
+    @staticmethod
+    def _write_back(cache: Cache, states: list[_Session], past: int, counts: list[int]) -> None:
+        """Append each session's new keys/values (its `counts[i]` positions after `past`) to its own cache."""
+        for i, state in enumerate(states):
+            for layer_idx, layer in enumerate(cache.layers):
+                state.cache.layers[layer_idx].update(layer.keys[i : i + 1, :, past : past + counts[i]],  # [1, H, n_i, D]
+                                                     layer.values[i : i + 1, :, past : past + counts[i]])
+
+    # -- token trees ----------------------------------------------------------------------------
+    # One session per call (`extend_batch(trees=...)` batches trees across sessions). Works with any attention implementation
+    # that takes transformers' additive 4-D float mask (sdpa and eager: a prepared 4-D mask is
+    # passed through `create_causal_mask` unchanged).
+
+    @torch.inference_mode()
+    def extend_tree(self, session: SessionId, prefix_ids: Sequence[int], tree: "TokenTree") -> torch.Tensor:
+        """Append `prefix_ids` (committed tokens not yet cached, run causally) and then the tree's
+        nodes in one forward: node i sits at position base + depth(i) (base = length after the
+        prefix) and attends to the cache, the prefix and its own ancestors only.
+
+        Returns float32 logits  # [len(prefix_ids) + n, vocab_size]: row len(prefix_ids) - 1 is the
+        root's distribution and row len(prefix_ids) + i the distribution after node i, so
+        `logits[len(prefix_ids) - 1:]` are `tree_rejection_sample`'s target_logits (with an empty
+        prefix the root row must come from the previous forward). Every node stays in the cache
+        (at base + i) until `keep_tree_path` keeps the accepted branch."""
+        state = self._get(session)
+        num_prefix, n = len(prefix_ids), len(tree)
+        if num_prefix + n == 0:
+            return torch.empty(0, self.vocab_size)
+        self._check_room(state, session, num_prefix + n)
+        start = state.length
+        base = start + num_prefix
+        total = base + n
+        input_ids = torch.tensor([[*prefix_ids, *tree.token_ids]], dtype=torch.long, device=self.device)  # [1, P + n]
+        positions = torch.cat([torch.arange(start, base), base + torch.tensor(tree.position_offsets(), dtype=torch.long)])
+        allowed = torch.zeros(num_prefix + n, total, dtype=torch.bool)  # [P + n, total]
+        allowed[:, :start] = True
+        allowed[:num_prefix, start:base] = torch.ones(num_prefix, num_prefix, dtype=torch.bool).tril()
+        allowed[num_prefix:, start:base] = True
+        allowed[num_prefix:, base:] = tree.attention_mask()
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        return self._forward([session], [num_prefix + n], 0, input_ids=input_ids,
+                             position_ids=positions[None].to(self.device),
+                             attention_mask=mask[None, None].to(self.device),  # [1, 1, P + n, total]
+                             past_key_values=state.cache, use_cache=True)[0].float()
+
+    @torch.inference_mode()
+    def keep_tree_path(self, session: SessionId, num_prefix_cached: int, node_path: Sequence[int],
+                       tree: "TokenTree | None" = None) -> None:
+        """After `extend_tree`: keep only the accepted branch. `num_prefix_cached` is the session's
+        length before the tree's nodes (its length before `extend_tree` plus the prefix);
+        `node_path` the accepted nodes, root's child first (`TreeResult.node_path`; checked to be a
+        root-to-node path when `tree` is given). The accepted nodes' keys/values are copied down to
+        consecutive slots after the prefix (they were computed at those positions already: position
+        = base + depth) and the cursor moves past them, so the cache equals that of a plain
+        `extend` of prefix + accepted tokens."""
+        state = self._get(session)
+        path = [int(i) for i in node_path]
+        num_nodes = state.length - num_prefix_cached
+        if num_nodes < 0 or num_prefix_cached < 0:
+            raise ValueError(f"session {session!r} of length {state.length} has no tree after {num_prefix_cached}")
+        if any(not 0 <= i < num_nodes for i in path) or any(b <= a for a, b in zip(path, path[1:])):
+            raise ValueError(f"node path {path} is not increasing within the {num_nodes} cached nodes")
+        if tree is not None and path and (len(tree) != num_nodes or tree.path(path[-1]) != path):
+            raise ValueError(f"node path {path} is not a root-to-node path of the tree")
+        if path != list(range(len(path))):  # else the branch is in place already
+            index = torch.tensor(path, dtype=torch.long, device=self.device) + num_prefix_cached
+            end = num_prefix_cached + len(path)
+            for layer in state.cache.layers:
+                layer.keys[:, :, num_prefix_cached:end] = layer.keys.index_select(2, index)
+                layer.values[:, :, num_prefix_cached:end] = layer.values.index_select(2, index)
+        state.cache.crop(num_prefix_cached + len(path))

@@ -1,0 +1,135 @@
+"""What the session loop (`cluster.session.loop`) keeps and is configured with: the scheduling config shared by
+both runtimes, the counters and cost estimates of a router, and one session's state and rounds in flight."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.core.messages import FeatureLog, SyncOp
+from cluster.core.sampling import SamplingParams
+from cluster.core.stats import SpeculationStats, ema
+from drafts.policy import SessionPolicy, SpeculationPolicyConfig
+
+
+class LoopConfig(BaseModel):
+    """How sessions schedule their rounds: one model, the base of both the standalone runtime's
+    `ClusterConfig` and the Serve application's `TandemAppConfig` (their fields of the same names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pipeline_depth: int = Field(2, ge=1, le=8, description="Rounds in flight per session; 1 = sequential speculative decoding.")
+    balance_pipeline: bool = Field(True, description="Pipelined mode: cap γ per round at verify time / draft time per token, so neither side idles.")
+    fill_bubbles: bool = Field(True, description="Pipelined mode: after a rejection, run a plain decoding step while the drafter redrafts.")
+    fill_min_redraft: float = Field(0.5, ge=0.0, description="Fill a bubble only when redrafting (γ + 1 tokens at the measured c) takes at least this many verify steps: with a fast draft the plain step delays the next round more than its token gains, so the verifier waits for the redraft instead.")
+    pipeline_max_sessions: int = Field(1, ge=1, description="Pipeline a session's rounds only while at most this many sessions share its verifier replica (beyond, sequential rounds with their bonus token commit more per forward).")
+    speculation: SpeculationPolicyConfig = Field(default_factory=SpeculationPolicyConfig, description="The draft-length policy (γ per session from the cost model, plain decoding when it does not pay).")
+
+
+@dataclass
+class LoopMetrics:
+    """Counters of a router (or decoder), summed over its sessions."""
+
+    sessions: int = 0
+    rounds: int = 0
+    stale_rounds: int = 0
+    replays: int = 0  # sessions moved to another verifier replica after a failure
+    drafter_fallbacks: int = 0  # sessions that lost their drafter and went on with plain decoding
+    pipeline_stalls: int = 0  # pipelined rounds sent when the verifier had nothing queued for the session
+    bubble_fills: int = 0  # plain steps run while the drafter redrafted after a rejection
+    bubble_fill_misses: int = 0  # ... whose token the redrafted first draft did not match (drafts dropped)
+    bubble_fill_hits: int = 0  # ... whose redraft went on as the next round (a fill can also end its session)
+    shared_sequential_rounds: int = 0  # rounds sent sequentially (not pipelined) because the verifier was shared
+    tree_rounds: int = 0  # rounds whose drafts were a token tree (siblings at the first position)
+    tree_branch_hits: int = 0  # ... whose accepted branch left the drafter's own chain (a sibling won)
+    own_match_rounds: int = 0  # plain steps replaced by the session's own suffix match (`SessionLoop.own_match`)
+    own_match_accepted: int = 0  # ... drafts of those rounds accepted
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+
+class CostEstimates:
+    """Online estimates shared by the sessions of one router or decoder: c and the verifier's load."""
+
+    def __init__(self) -> None:
+        self.draft_token_s = 0.0  # EMA of draft time per token
+        self.verify_s = 0.0  # EMA of one verify step
+        self.last_load = 0  # sessions on a verifier replica, as last reported
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Measured c: draft time per token over one verify step (None until both are measured)."""
+        if self.draft_token_s > 0 and self.verify_s > 0:
+            return self.draft_token_s / self.verify_s
+        return None
+
+    def record_draft(self, seconds: float, num_drafts: int) -> None:
+        if num_drafts:
+            self.draft_token_s = ema(self.draft_token_s, seconds / num_drafts)
+
+    def record_verify(self, seconds: float) -> None:
+        self.verify_s = ema(self.verify_s, seconds)
+
+
+@dataclass
+class RoundTiming:
+    round: int
+    draft_start: float
+    draft_end: float
+    verify_start: float = 0.0
+    verify_end: float = 0.0
+    sent: float = 0.0  # caller's clock around the round trip
+    received: float = 0.0
+
+
+@dataclass
+class InFlight:
+    """A round sent and not yet answered."""
+
+    timing: RoundTiming
+    epoch: int
+    num_drafts: int  # the drafts' chain (a token tree's siblings are not counted)
+    stale: bool = False  # drafted before a rejection: its answer commits nothing
+    tree_chain: list[int] | None = None  # a token tree's round: the drafter's own continuation
+    own_match: bool = False  # drafted by the loop itself (`SessionLoop.own_match`), not the drafter
+
+
+@dataclass
+class SessionState:
+    """What a session keeps across verifiers (a replay starts a new `run` from it)."""
+
+    session: str
+    params: SamplingParams
+    committed: list[int]  # prompt + output: the source of truth
+    output: list[int]
+    stats: SpeculationStats
+    policy: SessionPolicy
+    max_gamma: int
+    sync: list[SyncOp] = field(default_factory=list)  # owed to the drafter, sent with the next propose
+    features: FeatureLog | None = None  # a feature-fed draft: the target's features of committed positions
+    max_drafts: int | None = None  # the request's own cap on drafts in any round; None: a long match round
+    # (the hybrid's `match_tokens`) may draft more than max_gamma
+
+    def take_sync(self) -> list[SyncOp]:
+        ops, self.sync = self.sync, []
+        return ops
+
+
+@dataclass
+class PipelineState:
+    """One `run`'s rounds on one verifier connection."""
+
+    epoch: int = 0
+    optimistic: int = 0  # drafted tokens in flight beyond the committed ones
+    in_flight: deque[InFlight] = field(default_factory=deque)
+    round_ids: itertools.count = field(default_factory=itertools.count)
+    verifier_sessions: int = 0
+    fill: tuple[int, object] | None = None  # (round, pending proposal): a plain step while the drafter redrafts

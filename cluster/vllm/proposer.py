@@ -1,0 +1,278 @@
+"""tandem's drafts inside vLLM: the custom proposer class vLLM calls after every step.
+
+vLLM (`speculative_config={"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}`)
+builds `TandemProposer(vllm_config)` in each worker process and, after every step, calls
+`propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, ...)`: row i holds the request's newly
+committed tokens (accepted drafts + the bonus/recovered token) and its committed history is
+`token_ids_cpu[i, :num_tokens_no_spec[i]]` (bookkeeping runs before the custom proposer;
+`vllm/v1/worker/gpu_model_runner.py`). We return at most k tokens per row, `[]` for none. vLLM
+verifies drafts without probabilities as one-hot q: lossless for greedy and sampled decoding
+whatever produced them.
+
+The proposer is a thin, non-blocking client of a tandem drafter (`cluster.vllm.client.DraftClient`),
+configured by a `DrafterSpec` through the worker extension (`cluster.vllm.worker`); only rank 0 has
+one (vLLM uses rank 0's drafts), the other ranks return `[]`.
+
+Per request (keyed by vLLM's request id, found through the model runner's `input_batch.req_ids`,
+which the worker extension hands over) the proposer knows exactly what the drafter's sequence is.
+With `overlap` on, after handing vLLM a draft it asks the drafter to keep drafting as if the draft
+will be accepted; at the next step a pending draft whose sequence the committed history is a prefix
+of is returned at once (a hit). Otherwise (a miss) the row gets `[]`, one plain step, and the
+drafter rolls back to the committed history (one `SyncOp`) and redrafts. Without `overlap` every
+step rolls back and drafts synchronously. A drafter that errs or dies means plain decoding for that
+request; one that is slow means `[]` for the rows whose draft is late. Each case is logged and
+counted (`tandem_stats`). An exception inside `propose` would kill vLLM's engine, so `propose`
+catches everything and answers `[]`.
+
+Building the proposer is the worker's start (before its warm-up): it applies the guarded
+rejection-sampler fix there (`cluster.vllm.patch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from cluster.core.messages import SyncOp
+from cluster.vllm.client import DraftClient, make_client
+from cluster.vllm.patch import fix_rejection_sampler, fix_state
+from cluster.vllm.protocol import DrafterSpec, RequestKey
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Session:
+    pending: Future | None = None  # drafts continuing `base`
+    base: list[int] = field(default_factory=list)  # the drafter's sequence the pending draft continues
+    known: list[int] | None = None  # the drafter's whole sequence, when no draft is pending
+    submitted_at: float = 0.0
+    failed: bool = False
+    given: int = 0  # draft tokens handed to vLLM at the last step (its verdict arrives with the next)
+    feedback: object = None  # a SyncOp teaching the drafter that verdict, sent with its next call
+
+
+class TandemProposer:
+    """vLLM's custom proposer: drafts from a tandem drafter (configured through `tandem_configure`)."""
+
+    def __init__(self, vllm_config=None, *args, **kwargs):
+        fix_rejection_sampler()  # vLLM builds this proposer at the worker's start: fix its sampler before use
+        spec = getattr(vllm_config, "speculative_config", None)
+        self.k = int(getattr(spec, "num_speculative_tokens", 0) or 0)
+        self.client: DraftClient | None = None
+        self.runner = None
+        self.rank = 0
+        self.spec = DrafterSpec()  # the tuning in force (overlap, wait_s, on_miss, wait_first, registered)
+        self.max_k = self.k
+        self._deadline = 0.0
+        self.sessions: dict[str, _Session] = {}
+        self._drafter_part: dict | None = None
+        self.stats: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM's CPU runner calls this with the target model; tandem's drafter has its own."""
+
+    # -- configuration (from the worker extension, between steps) ---------------------------------
+
+    def configure(self, spec: DrafterSpec, runner, rank: int) -> None:
+        """A new drafter from `spec`; one whose drafter part equals the current one's is kept (only
+        the tuning fields max_k, overlap, wait_s, on_miss, wait_first change; its sessions are released)."""
+        drafter_part = spec.drafter_part()
+        keep = self.client is not None and drafter_part == self._drafter_part
+        if keep:
+            for session in list(self.sessions):
+                self.client.release(session)
+            self.sessions.clear()
+        else:
+            self._close()
+        self.runner, self.rank, self.spec = runner, rank, spec
+        self.max_k = self.k if spec.max_k is None else min(self.k, spec.max_k)
+        self.stats = Counter()
+        if not keep:
+            self.client = make_client(spec) if rank == 0 else None
+            self._drafter_part = drafter_part
+        log.info("tandem proposer on rank %d: drafter %s, γ ≤ %d, overlap %s, wait %.3fs", rank,
+                 self.client.name if self.client else "none", self.max_k, self.spec.overlap, self.spec.wait_s)
+
+    def _close(self) -> None:
+        if self.client is not None:
+            for session in list(self.sessions):
+                self.client.release(session)
+            self.client.close()
+        self.client = None
+        self._drafter_part = None
+        self.sessions.clear()
+
+    # -- vLLM's call ----------------------------------------------------------------------------------
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None, *args, **kwargs):
+        rows = len(sampled_token_ids)
+        try:
+            with self._lock:
+                return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception:  # noqa: BLE001 - an exception here would kill vLLM's engine
+            log.exception("tandem proposer failed; plain decoding for this step")
+            self.stats["proposer_errors"] += 1
+            self.stats["empty_rows"] += rows
+            return [[] for _ in range(rows)]
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        rows = len(sampled_token_ids)
+        self.stats["steps"] += 1
+        if self.client is None or self.runner is None or self.max_k <= 0:
+            self.stats["rows_without_drafter"] += rows
+            return [[] for _ in range(rows)]
+        req_ids = self.runner.input_batch.req_ids
+        self._deadline = time.monotonic() + self.spec.wait_s  # one bound for the whole step, however many rows
+        out: list[list[int]] = []
+        for i in range(rows):
+            if not sampled_token_ids[i]:  # a partial prefill or a discarded row: nothing committed
+                out.append([])
+                continue
+            self.stats["rows"] += 1
+            history = token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist()
+            key = self._key(req_ids[i])
+            cap = RequestKey.parse(key).cap
+            if cap == 0:  # this request asked for plain decoding
+                self.stats["plain_rows"] += 1
+                out.append([])
+                continue
+            draft = self._row(key, history, len(sampled_token_ids[i]))
+            if cap is not None:
+                draft = draft[:cap]
+            if draft:
+                self.stats["drafted_rows"] += 1
+                self.stats["drafted_tokens"] += len(draft)
+            else:
+                self.stats["empty_rows"] += 1
+            out.append(draft)
+        live = getattr(self.runner, "requests", None)
+        if live is not None:
+            live = {self._key(r) for r in live}
+            for session in [s for s in self.sessions if s not in live]:  # finished or aborted
+                self.sessions.pop(session)
+                if not self.spec.registered:  # a registered session is released by its front door
+                    self.client.release(session)
+                self.stats["released"] += 1
+        return out
+
+    def _key(self, rid: str) -> str:
+        """The drafter's session for vLLM's internal request id: with `registered`, the id the front
+        door gave the request."""
+        return RequestKey.from_vllm(rid) if self.spec.registered else rid
+
+    def _row(self, rid: str, history: list[int], num_new: int) -> list[int]:
+        k = self.max_k
+        s = self.sessions.get(rid)
+        if s is None:
+            s = self.sessions[rid] = _Session()
+            self.stats["sessions"] += 1
+            n = k + 1 if self.spec.overlap else k
+            if self.spec.registered:  # the front door opened it on the prompt, before vLLM's prefill
+                self._submit(s, self.client.resume(rid, len(history) - num_new, history, n), history)
+            else:
+                self._submit(s, self.client.start_and_propose(rid, history, n), history)
+            if not self.spec.wait_first and not s.pending.done():  # the first token leaves now; drafts next step
+                self.stats["empty_first"] += 1
+                return []
+        elif s.failed:
+            self.stats["empty_failed"] += 1
+            return []
+        else:
+            s.feedback = self._feedback(s, num_new) or s.feedback
+            if s.pending is None:  # without overlap: roll back to the history and draft now
+                self._resync(rid, s, history, s.known or [])
+        s.given = 0
+        if not self._wait(rid, s):
+            return []
+        drafted = s.base + s.pending.result()
+        s.pending, s.known = None, drafted
+        if len(drafted) > len(history) and drafted[: len(history)] == history:
+            draft = drafted[len(history): len(history) + k]
+            self.stats["hits"] += 1
+            if self.spec.overlap:  # keep drafting as if this draft will be accepted
+                self._submit(s, self.client.propose(rid, k + 1, self._take_feedback(s)), drafted)
+            s.given = len(draft)
+            return draft
+        # a miss: the drafter's sequence left the committed history
+        self.stats["misses"] += 1
+        self._resync(rid, s, history, drafted)
+        if self.spec.overlap and self.spec.on_miss == "plain":
+            self.stats["empty_miss"] += 1
+            return []  # one plain step while the drafter redrafts
+        if not self._wait(rid, s):
+            return []
+        drafted = s.base + s.pending.result()
+        s.pending, s.known = None, drafted
+        draft = drafted[len(history): len(history) + k]
+        s.given = len(draft)
+        if self.spec.overlap:  # the redraft was waited for (on_miss "wait"): draft on beyond it
+            self._submit(s, self.client.propose(rid, k + 1), drafted)
+        return draft
+
+    def _feedback(self, s: _Session, num_new: int):
+        """What vLLM made of the draft handed over at the last step: num_new committed tokens are its
+        accepted drafts plus one (the bonus or recovered token). None when no draft was handed over."""
+        if not s.given:
+            return None
+        accepted = max(0, min(s.given, num_new - 1))
+        self.stats["verdict_drafted"] += s.given
+        self.stats["verdict_accepted"] += accepted
+        return SyncOp(num_drafted=s.given, num_accepted=accepted)
+
+    @staticmethod
+    def _take_feedback(s: _Session) -> list:
+        ops = [s.feedback] if s.feedback is not None else []
+        s.feedback = None
+        return ops
+
+    def _resync(self, rid: str, s: _Session, history: list[int], drafter_seq: list[int]) -> None:
+        """Roll the drafter back to the committed history (keep the common prefix) and redraft."""
+        common = 0
+        for a, b in zip(drafter_seq, history):
+            if a != b:
+                break
+            common += 1
+        sync = self._take_feedback(s) + [SyncOp(length=common, token_ids=history[common:])]
+        self.stats["rollbacks"] += 1
+        self._submit(s, self.client.propose(rid, self.max_k + 1 if self.spec.overlap else self.max_k, sync), history)
+
+    def _submit(self, s: _Session, future: Future, base: list[int]) -> None:
+        s.pending, s.base, s.known, s.submitted_at = future, list(base), None, time.monotonic()
+
+    def _wait(self, rid: str, s: _Session) -> bool:
+        """Wait for the pending draft until this step's deadline; False (the row gets []) when it is late
+        or failed."""
+        try:
+            s.pending.result(timeout=max(0.0, self._deadline - time.monotonic()))
+            return True
+        except TimeoutError:
+            self.stats["empty_late"] += 1
+            if time.monotonic() - s.submitted_at > max(30.0, 10 * self.spec.wait_s):
+                self._fail(rid, s, "no draft for 30 s")
+            elif self.stats["empty_late"] in (1, 10, 100, 1000):
+                log.warning("tandem drafter late for %s (> %.3fs): plain step (%d late rows so far)", rid,
+                            self.spec.wait_s, self.stats["empty_late"])
+            return False
+        except Exception as e:  # noqa: BLE001 - the drafter failed: plain decoding for this request
+            self._fail(rid, s, f"{type(e).__name__}: {e}")
+            return False
+
+    def _fail(self, rid: str, s: _Session, why: str) -> None:
+        s.failed, s.pending = True, None
+        self.stats["drafter_failures"] += 1
+        self.stats["empty_failed"] += 1
+        log.warning("tandem drafter failed for request %s (%s): plain decoding for it", rid, why)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.stats, rank=self.rank, sessions_open=len(self.sessions),
+                        drafter=self.client.name if self.client else "none", fix=fix_state())
+
+
+PROPOSER_CLASS = f"{TandemProposer.__module__}.{TandemProposer.__qualname__}"  # vLLM's `speculative_config.model`

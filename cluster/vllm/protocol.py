@@ -1,0 +1,118 @@
+"""What the engine and the front door tell tandem's proposer inside vLLM's workers.
+
+- `DrafterSpec`: where the drafts come from and how the proposer waits for them, sent to every rank
+  through `collective_rpc("tandem_configure", args=(spec.wire(),))` (vLLM carries plain data only:
+  the worker validates the dict back into a `DrafterSpec`).
+- `RequestKey`: the request id the front door gives vLLM, `<session>~k<n>` when the request caps its
+  own drafts at n tokens (0 = plain decoding); the proposer reads the cap back from vLLM's request id.
+
+Pure (pydantic and the engine config): importable without vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.core.config import EngineConfig
+
+TUNING = ("max_k", "overlap", "wait_s", "on_miss", "wait_first")  # changing only these keeps the drafter
+
+
+class RayDrafter(BaseModel):
+    """A `cluster.ray.drafter.Drafter` actor, found by name on the Ray cluster at `address`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    actor: str = Field(..., min_length=1)
+    namespace: str | None = None
+    address: str | None = None  # the cluster's GCS address; None: "auto"
+    auth_mode: str | None = None  # the cluster's RAY_AUTH_MODE (a local Ray started by ray.init uses tokens)
+
+
+class ProposerImport(BaseModel):
+    """Tests only: the proposer is `path` ("package.module:callable") called with `kwargs`, imported in
+    the worker process (the test doubles of `tests/vllm_doubles.py`). Nothing in the runtime sets it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(..., pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    kwargs: dict = Field(default_factory=dict)
+
+
+class DrafterSpec(BaseModel):
+    """One drafter for the proposer: at most one of `engine`, `ray`, `proposer_import`; none of them
+    means no drafter (plain decoding). The tuning fields (`TUNING`) may change without a new drafter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig | None = Field(None, description="A tandem proposer built by `drafts.factory` from this config, on one drafting thread in rank 0's worker.")
+    ray: RayDrafter | None = Field(None, description="The remote `Drafter` actor, called through Ray from rank 0.")
+    proposer_import: ProposerImport | None = Field(None, description="Tests only: a proposer imported by path in the worker.")
+    label: str | None = Field(None, description="Specs with different labels never share a drafter (a fresh one per benchmark mode).")
+    registered: bool = Field(False, description="The front door opens and releases each session, keyed by the request id it gave vLLM.")
+    max_k: int | None = Field(None, ge=0, description="Draft tokens per step, at most vLLM's num_speculative_tokens (None: that many).")
+    overlap: bool = Field(True, description="After handing vLLM a draft, keep drafting as if it will be accepted.")
+    wait_s: float = Field(0.2, ge=0, description="How long one step waits for its drafts; a late row gets no draft (a plain step).")
+    on_miss: Literal["plain", "wait"] = Field("plain", description="Overlapped, a missed draft means one plain step ('plain') or waiting for the redraft ('wait').")
+    wait_first: bool = Field(True, description="A request's first step waits for its first draft (else: one plain step, the first token leaves at once).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DrafterSpec":
+        sources = [name for name in ("engine", "ray", "proposer_import") if getattr(self, name) is not None]
+        if len(sources) > 1:
+            raise ValueError(f"a drafter spec has at most one source, not {' and '.join(sources)}")
+        return self
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.engine is not None or self.ray is not None or self.proposer_import is not None
+
+    def tuned(self, **changes) -> "DrafterSpec":
+        """This spec with `changes` (any fields), validated."""
+        return DrafterSpec.model_validate({**self.model_dump(), **changes})
+
+    def drafter_part(self) -> dict:
+        """What names the drafter: equal drafter parts share one (only the tuning differs)."""
+        return self.model_dump(mode="json", exclude=set(TUNING))
+
+    def wire(self) -> dict:
+        """The plain data `collective_rpc` carries to the workers (`DrafterSpec.model_validate` reads it back)."""
+        return self.model_dump(mode="json")
+
+
+REQUEST_CAP_SEP = "~k"
+VLLM_SUFFIX_LEN = 9  # vLLM appends "-" and 8 random characters to the request id it is given
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """The request id the front door gives vLLM for a session, which is also the drafter's session:
+    `session`, with the request's own cap on draft tokens appended (`~k<n>`) when it has one."""
+
+    session: str
+    cap: int | None = None  # 0: plain decoding, no drafts and no drafter session
+
+    def __post_init__(self) -> None:
+        if self.cap is not None and self.cap < 0:
+            raise ValueError(f"a request's draft cap is >= 0, not {self.cap}")
+
+    def __str__(self) -> str:
+        return self.session if self.cap is None else f"{self.session}{REQUEST_CAP_SEP}{int(self.cap)}"
+
+    @classmethod
+    def parse(cls, key: str) -> "RequestKey":
+        """The key `str(RequestKey(...))` made; a key without a cap (or nothing before it) has cap None."""
+        head, sep, tail = key.rpartition(REQUEST_CAP_SEP)
+        if sep and head and tail.isascii() and tail.isdigit():
+            return cls(head, int(tail))
+        return cls(key)
+
+    @staticmethod
+    def from_vllm(internal_id: str) -> str:
+        """The id the front door gave vLLM, from vLLM's internal request id (that id + "-" + 8 characters)."""
+        if len(internal_id) > VLLM_SUFFIX_LEN and internal_id[-VLLM_SUFFIX_LEN] == "-":
+            return internal_id[:-VLLM_SUFFIX_LEN]
+        return internal_id

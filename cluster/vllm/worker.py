@@ -1,0 +1,48 @@
+"""The worker extension: mixed into vLLM's worker (`worker_extension_cls=WORKER_EXTENSION`), so that
+`collective_rpc` reaches these methods on every rank. The engine and the Serve replica call
+`tandem_fix_rejection_sampler` once vLLM has started, then `tandem_configure` to point the proposer at
+its drafter."""
+
+from __future__ import annotations
+
+import os
+
+from cluster.vllm.patch import fix_rejection_sampler, fix_state
+from cluster.vllm.proposer import PROPOSER_CLASS, TandemProposer
+from cluster.vllm.protocol import DrafterSpec
+
+
+class TandemWorkerExtension:
+    """Mixed into vLLM's worker: `collective_rpc` reaches these on every rank."""
+
+    def _tandem_proposer(self) -> TandemProposer:
+        drafter = getattr(self.model_runner, "drafter", None)
+        if not isinstance(drafter, TandemProposer):
+            raise RuntimeError(f"the engine's proposer is {type(drafter).__name__}, not {PROPOSER_CLASS}")
+        return drafter
+
+    def tandem_configure(self, spec: dict) -> dict:
+        """Point this rank's proposer at the drafter of `spec` (a `DrafterSpec.wire()` dict)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        proposer = self._tandem_proposer()
+        proposer.configure(DrafterSpec.model_validate(spec), self.model_runner, get_tensor_model_parallel_rank())
+        return {"rank": proposer.rank, "drafter": proposer.client.name if proposer.client else "none"}
+
+    def tandem_stats(self) -> dict:
+        return self._tandem_proposer().snapshot()
+
+    def tandem_fix_rejection_sampler(self) -> dict:
+        """Apply the guarded rejection-sampler fix in this worker (a no-op where it is not needed or
+        already applied); its state."""
+        fix_rejection_sampler()
+        return fix_state()
+
+    def tandem_fix_state(self) -> dict:
+        return fix_state()
+
+    def tandem_pid(self) -> int:
+        return os.getpid()
+
+
+WORKER_EXTENSION = f"{TandemWorkerExtension.__module__}.{TandemWorkerExtension.__qualname__}"

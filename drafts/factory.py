@@ -1,0 +1,97 @@
+"""The one proposer factory: a validated `EngineConfig` in, a proposer (or None) out.
+
+`make_proposer` builds from a target model already loaded in this process (the in-process engine,
+`drafts validate`); `build_proposer` loads what the draft needs itself (the drafter actor, vLLM's
+worker): the target only when the draft borrows from it (the int8 copy, a tandem or feature draft).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cluster.core.config import INT8_DRAFT, EngineConfig
+from cluster.core.errors import ConfigError
+from cluster.model import models
+from cluster.model.runner import TorchModelRunner
+from drafts.draft_model import DraftModelProposer, quantized_copy
+from drafts.feature_model import load_feature_draft
+from drafts.feature_proposer import FeatureProposer, feature_draft_dir, is_feature_draft
+from drafts.hybrid import HybridProposer
+from drafts.ngram import NGramProposer
+from drafts.proposer import Proposer
+from drafts.small_draft import is_tandem_draft, load_draft
+from drafts.suffix import OwnMatch
+
+log = logging.getLogger(__name__)
+
+FEATURE_DRAFT_COST_RATIO = 0.1  # the shipped feature-fed draft's c, measured on this machine (tandem_draft.json)
+
+
+def needs_features(config: EngineConfig) -> bool:
+    """Whether the configured proposer is fed the target's features (a feature-fed draft model)."""
+    return (config.proposer in ("draft", "hybrid") and config.num_speculative_tokens > 0
+            and is_feature_draft(config.draft))
+
+
+def own_match(config: EngineConfig) -> OwnMatch | None:
+    """The hybrid's long match rounds of the session's own tokens, for the session loop to draft itself."""
+    if not config.own_matches or config.proposer != "hybrid":
+        return None
+    return OwnMatch.for_rounds(config.match_tokens, config.num_speculative_tokens, max_ngram=config.max_ngram)
+
+
+def speculates(config: EngineConfig) -> bool:
+    """Whether this config drafts at all (a proposer and γ > 0)."""
+    return config.proposer != "none" and config.num_speculative_tokens > 0
+
+
+def make_proposer(config: EngineConfig, target_model: torch.nn.Module | None, target_tokenizer) -> Proposer | None:
+    """The configured proposer; `target_model` is read only by drafts made from it (int8, tandem, feature)."""
+    if not speculates(config):
+        return None
+    if config.proposer == "ngram":
+        return NGramProposer(max_ngram=config.max_ngram)
+    if is_feature_draft(config.draft):  # EAGLE-style: reads the target's features, sent by the verifier
+        model = FeatureProposer(load_feature_draft(target_model, feature_draft_dir(config.draft)))
+        if config.proposer == "hybrid":
+            return HybridProposer(model, max_ngram=config.max_ngram, cost_ratio=FEATURE_DRAFT_COST_RATIO,
+                                  tree_width=config.tree_width, match_tokens=config.match_tokens)
+        if config.tree_width > 1:
+            raise ConfigError("a feature-fed draft drafts chains: tree_width must be 1 (or use proposer hybrid, "
+                              "whose match rounds may be trees)")
+        return model
+    if config.draft == INT8_DRAFT:
+        draft_model = quantized_copy(target_model)
+    elif is_tandem_draft(config.draft):  # a distilled or self-speculative draft made from this target
+        draft_model = load_draft(config.draft, target_model)
+    else:
+        path = models.resolve_model_path(config.draft, config.cache_dir)
+        models.check_same_tokenizer(target_tokenizer, models.load_tokenizer(path), str(path))
+        draft_model = models.load_causal_lm(path, config.dtype, config.device)
+    model = DraftModelProposer(TorchModelRunner(draft_model, name="draft"), tree_width=config.tree_width)
+    if config.proposer == "hybrid":
+        return HybridProposer(model, max_ngram=config.max_ngram, tree_width=config.tree_width,
+                              match_tokens=config.match_tokens)
+    return model
+
+
+def build_proposer(config: EngineConfig, max_support: int | None = None) -> Proposer | None:
+    """The configured proposer in a process of its own: loads the target only when the draft borrows from it.
+    `max_support` caps the support of the draft's q rows (they cross the wire as sparse rows)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    path = models.resolve_model_path(config.target, config.cache_dir)
+    tokenizer = models.load_tokenizer(path)
+    target = None
+    model_draft = config.proposer in ("draft", "hybrid")
+    if model_draft and config.draft == INT8_DRAFT:
+        target = models.load_causal_lm(path, "float32", "cpu")  # only to copy and quantise
+    elif model_draft and (is_tandem_draft(config.draft) or is_feature_draft(config.draft)):
+        target = models.load_causal_lm(path, config.dtype, config.device)  # lends embeddings (and layers)
+    proposer = make_proposer(config, target, tokenizer)
+    model = getattr(proposer, "model", proposer)  # the hybrid's model proposer
+    if max_support is not None and isinstance(model, (DraftModelProposer, FeatureProposer)):
+        model.max_support = max_support
+    return proposer

@@ -1,0 +1,131 @@
+"""The peer bench's parsing and interleaving, without starting vLLM or tandem.
+
+`FakeOpenAIServer` is a test double of the peer (an OpenAI-style streaming server on 127.0.0.1), named so.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from tools.peer_bench import Record, Server, compare, one_stream, parse_stream, rotated, same_outputs, summarize
+
+
+def _sse(chunks) -> list[str]:
+    return [f"data: {json.dumps(c)}" for c in chunks] + ["data: [DONE]"]
+
+
+def test_parse_stream_counts_usage_ttft_and_per_token_gaps():
+    times = iter([1.5, 2.0, 2.6])  # the clock at each content chunk
+    lines = _sse([{"choices": [{"text": "de"}]},
+                  {"choices": [{"text": "f f", "token_ids": [1, 2]}]},
+                  {"choices": [{"text": "(", "token_ids": [3, 4, 5]}]},
+                  {"choices": [], "usage": {"completion_tokens": 6}}])
+    text, tokens, ttft, gaps = parse_stream(lines, chat=False, start=1.0, clock=lambda: next(times))
+    assert text == "def f(" and tokens == 6 and ttft == pytest.approx(0.5)
+    assert gaps == pytest.approx([0.25, 0.25, 0.2, 0.2, 0.2])  # a chunk of n tokens: n gaps of gap / n
+
+
+def test_parse_stream_reads_chat_deltas_and_refuses_a_stream_without_usage():
+    lines = _sse([{"choices": [{"delta": {"role": "assistant"}}]}, {"choices": [{"delta": {"content": "Hi"}}]}])
+    with pytest.raises(RuntimeError, match="usage"):
+        parse_stream(lines, chat=True, start=0.0)
+    text, tokens, _, _ = parse_stream(lines[:-1] + [f"data: {json.dumps({'usage': {'completion_tokens': 1}})}"],
+                                      chat=True, start=0.0)
+    assert (text, tokens) == ("Hi", 1)
+    with pytest.raises(RuntimeError, match="boom"):
+        parse_stream(_sse([{"error": {"message": "boom"}}]), chat=False, start=0.0)
+
+
+def test_one_stream_interleaves_prompt_by_prompt_with_rotated_order():
+    servers = [Server(n, "http://x", "m") for n in ("a", "b", "c")]
+    assert [s.name for s in rotated(servers, 4)] == ["b", "c", "a"]
+    order = []
+
+    def send(client, server, prompt, max_tokens, chat, index):
+        order.append((index, server.name))
+        return Record(server.name, index, 1, prompt, 0.1, 0.2, [])
+
+    one_stream(None, servers, ["p0", "p1", "p2"], 8, False, send)
+    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b")]
+
+
+def test_summaries_and_output_equality():
+    records = [Record("ref", 0, 10, "x", 0.1, 1.0, [0.01] * 9), Record("ref", 1, 10, "y", 0.3, 1.0, [0.03] * 9),
+               Record("other", 0, 20, "x", 0.2, 1.0, []), Record("other", 1, 20, "z", 0.2, 1.0, [])]
+    ref = summarize([r for r in records if r.server == "ref"])
+    assert ref["tokens_per_s"] == pytest.approx(10.0) and ref["ttft_ms"]["p50"] == pytest.approx(300.0, abs=200)
+    assert summarize(records[2:], wall_s=1.0)["tokens_per_s"] == pytest.approx(40.0)  # N streams: over wall time
+    assert same_outputs(records, "ref") == {"other": 0.5}
+
+
+class FakeOpenAIServer:
+    """A test double of the peer: streams `reply` word by word as OpenAI SSE chunks with usage; a body
+    carrying `num_speculative_tokens` gets `plain_reply` (so the two sides can differ)."""
+
+    def __init__(self, reply: str = "def f(x): return x", plain_reply: str | None = None):
+        fake = self
+        self.bodies: list[dict] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._send(200, {"data": [{"id": "fake-model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
+                text = plain_reply if plain_reply is not None and "num_speculative_tokens" in body else reply
+                words = text.split(" ")[: body["max_tokens"]]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                chat = self.path.endswith("/chat/completions")
+                for i, word in enumerate(words):
+                    piece = word if i == 0 else " " + word
+                    choice = {"delta": {"content": piece}} if chat else {"text": piece}
+                    self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                usage = {"choices": [], "usage": {"completion_tokens": len(words)}}
+                self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+            def _send(self, code, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def test_compare_against_a_fake_peer():
+    peer = FakeOpenAIServer(plain_reply="def g(y): return y")
+    try:
+        servers = [Server("vllm", peer.url, "fake-model"), Server("tandem_plain", peer.url, "fake-model",
+                                                                  {"num_speculative_tokens": 0})]
+        with httpx.Client(timeout=30) as client:
+            report = compare(servers, {"humaneval": (["def f(x):", "def h():"], False),
+                                       "chat": (["Hi?"], True)}, 3, (1, 4), repeats=1, client=client)
+    finally:
+        peer.close()
+    one = report["workloads"]["humaneval"]["1"]
+    assert one["vllm"]["tokens"] == 6 and one["vllm"]["requests"] == 2  # 3 words each, from usage
+    assert one["vllm"]["ratio_to_reference"] == pytest.approx(1.0)
+    assert one["tandem_plain"]["same_output_as_reference"] == 0.0  # the fake answers it differently
+    many = report["workloads"]["chat"]["4"]
+    assert many["vllm"]["requests"] == 4 and many["tandem_plain"]["tokens"] == 12
+    sent = [b for b in peer.bodies if b["max_tokens"] == 3]
+    assert all(b["temperature"] == 0 and b["stream"] and b["stream_options"] == {"include_usage": True} for b in sent)
+    assert sum("num_speculative_tokens" in b for b in sent) == len(sent) // 2  # only tandem_plain's requests

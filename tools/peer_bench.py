@@ -1,0 +1,295 @@
+"""`python -m tools bench --peer`: tandem beside vLLM's own OpenAI server, side by side in one run.
+
+The bench starts (and stops, with SIGTERM) each server on 127.0.0.1: vLLM alone
+(`python -m vllm.entrypoints.openai.api_server`), vLLM with its `ngram` method as its docs configure
+it, and `tandem serve` (its default config); tandem's plain decoding is the same tandem server with
+`num_speculative_tokens: 0` on each request. Every server gets the same model directory, dtype and
+context length. Requests are greedy and streaming with `stream_options.include_usage`, so tokens are
+counted from each server's own `usage`.
+
+- One stream: prompt by prompt, each prompt sent to every server in turn, the order rotated from
+  prompt to prompt (no server always goes first on a warm cache).
+- N streams: N concurrent requests per server, servers in rotated order, `repeats` times.
+
+Per server and workload: tokens/s (one stream: tokens over the time spent in that server's requests;
+N streams: tokens over the batch's wall time), TTFT and inter-token latency p50/p99 (a chunk of n
+tokens counts n gaps of its gap / n), and, for greedy fp32, whether each output equals the reference
+server's. Every figure is measured in this run on this machine; ratios are over vLLM alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}  # vLLM's docs' setting
+PLAIN = {"num_speculative_tokens": 0}  # tandem's plain decoding, on the same server
+
+
+@dataclass(frozen=True)
+class Server:
+    """One side of the comparison: a URL, and what every request to it adds to the body."""
+
+    name: str
+    url: str
+    model: str
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Record:
+    """One streamed request, as the client saw it."""
+
+    server: str
+    prompt: int
+    tokens: int  # from the server's usage
+    text: str
+    ttft_s: float
+    total_s: float
+    token_gaps_s: list[float]
+
+
+def parse_stream(lines, chat: bool, start: float, clock=time.perf_counter) -> tuple[str, int, float, list[float]]:
+    """(text, completion tokens from usage, TTFT, per-token gaps) of one SSE stream's lines."""
+    text, tokens, first, last, gaps = [], None, None, None, []
+    for line in lines:
+        if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error'].get('message')}")
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        piece = "".join((c.get("delta", {}).get("content") or "") if chat else (c.get("text") or "")
+                        for c in chunk.get("choices", []))
+        if not piece:
+            continue
+        now = clock()
+        if first is None:
+            first = now
+        elif last is not None:
+            ids = [i for c in chunk.get("choices", []) for i in (c.get("token_ids") or [])]
+            n = max(1, len(ids))
+            gaps.extend([(now - last) / n] * n)
+        last = now
+        text.append(piece)
+    if tokens is None:
+        raise RuntimeError("the stream carried no usage (stream_options.include_usage)")
+    return "".join(text), tokens, (first if first is not None else clock()) - start, gaps
+
+
+def request(client: httpx.Client, server: Server, prompt: str, max_tokens: int, chat: bool, index: int) -> Record:
+    body = {"model": server.model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **server.extra}
+    if chat:
+        url, body["messages"] = f"{server.url}/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        url, body["prompt"] = f"{server.url}/v1/completions", prompt
+    start = time.perf_counter()
+    with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{server.name}: {url} answered {response.status_code}: "
+                               f"{response.read().decode(errors='replace')[:500]}")
+        text, tokens, ttft, gaps = parse_stream(response.iter_lines(), chat, start)
+    return Record(server.name, index, tokens, text, ttft, time.perf_counter() - start, gaps)
+
+
+def rotated(servers: list[Server], k: int) -> list[Server]:
+    """The servers in turn, starting with the k-th (mod their count)."""
+    k %= len(servers)
+    return servers[k:] + servers[:k]
+
+
+def one_stream(client, servers: list[Server], prompts: list[str], max_tokens: int, chat: bool,
+               send=request) -> list[Record]:
+    """Each prompt to every server in turn, the order rotated from prompt to prompt."""
+    return [send(client, server, prompt, max_tokens, chat, i)
+            for i, prompt in enumerate(prompts) for server in rotated(servers, i)]
+
+
+def many_streams(client, servers: list[Server], prompts: list[str], max_tokens: int, chat: bool,
+                 streams: int, repeats: int, send=request) -> dict[str, list[tuple[float, list[Record]]]]:
+    """`streams` concurrent requests per server, servers in rotated order, `repeats` times:
+    per server, (wall time, records) of each batch."""
+    out: dict[str, list] = {s.name: [] for s in servers}
+    batch = [prompts[i % len(prompts)] for i in range(streams)]
+    with ThreadPoolExecutor(streams) as pool:
+        for r in range(repeats):
+            for server in rotated(servers, r):
+                start = time.perf_counter()
+                records = list(pool.map(lambda a: send(client, server, a[1], max_tokens, chat, a[0]),
+                                        enumerate(batch)))
+                out[server.name].append((time.perf_counter() - start, records))
+    return out
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+def summarize(records: list[Record], wall_s: float | None = None) -> dict:
+    """tokens/s (over `wall_s`, else over the requests' own time), TTFT and ITL p50/p99 in ms."""
+    tokens = sum(r.tokens for r in records)
+    seconds = wall_s if wall_s is not None else sum(r.total_s for r in records)
+    gaps = [g for r in records for g in r.token_gaps_s]
+    ttft = [r.ttft_s for r in records]
+    return {"requests": len(records), "tokens": tokens, "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "ttft_ms": {"p50": 1e3 * _pct(ttft, 50), "p99": 1e3 * _pct(ttft, 99)},
+            "itl_ms": {"p50": 1e3 * _pct(gaps, 50), "p99": 1e3 * _pct(gaps, 99)},
+            "ttft_mean_ms": 1e3 * statistics.fmean(ttft) if ttft else 0.0}
+
+
+def same_outputs(records: list[Record], reference: str) -> dict[str, float]:
+    """Per server, the fraction of its outputs equal to the reference server's for the same prompt."""
+    ref = {r.prompt: r.text for r in records if r.server == reference}
+    by: dict[str, list[bool]] = {}
+    for r in records:
+        if r.server != reference and r.prompt in ref:
+            by.setdefault(r.server, []).append(r.text == ref[r.prompt])
+    return {name: sum(v) / len(v) for name, v in by.items()}
+
+
+# -- the servers ------------------------------------------------------------------------------------
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, name: str) -> str:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} before it served")
+        try:
+            models = httpx.get(f"{url}/v1/models", timeout=2.0)
+            if models.status_code == 200:
+                return models.json()["data"][0]["id"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{name} did not serve within {timeout_s:.0f} s")
+
+
+class Process:
+    """A server process started by the bench; stopped with SIGTERM (a background job ignores SIGINT)."""
+
+    def __init__(self, name: str, argv: list[str], url: str, env: dict, log_path: str, timeout_s: float = 600):
+        self.name, self.url = name, url
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self.model = _wait_ready(url, self.proc, timeout_s, name)
+        except Exception:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def vllm_argv(model_dir: str, port: int, dtype: str, max_model_len: int, spec: dict | None) -> list[str]:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--served-model-name", "peer"]
+    return argv + (["--speculative-config", json.dumps(spec)] if spec else [])
+
+
+def tandem_argv(config: str, port: int, grpc_port: int) -> list[str]:
+    return [sys.executable, "-m", "deployments.cli", "serve", "--config", config, "--http-port", str(port),
+            "--grpc-port", str(grpc_port)]
+
+
+def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, base_port: int, log_dir: str,
+                  which: tuple[str, ...]) -> tuple[list[Process], list[Server]]:
+    """Start the servers `which` names (vllm, vllm_ngram, tandem): their processes, and the sides of the
+    comparison (tandem also as tandem_plain: the same server, `num_speculative_tokens: 0`)."""
+    env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false"}
+    procs, servers = [], []
+    try:
+        for i, name in enumerate(which):
+            port = base_port + 10 * i
+            url = f"http://127.0.0.1:{port}"
+            if name in ("vllm", "vllm_ngram"):
+                argv = vllm_argv(model_dir, port, dtype, max_model_len, NGRAM_SPEC if name == "vllm_ngram" else None)
+            elif name == "tandem":
+                argv = tandem_argv(config, port, port + 1)
+            else:
+                raise ValueError(f"unknown server {name!r}: vllm, vllm_ngram or tandem")
+            proc = Process(name, argv, url, env, os.path.join(log_dir, f"{name}.log"))
+            procs.append(proc)
+            servers.append(Server(name, url, proc.model))
+            if name == "tandem":
+                servers.append(Server("tandem_plain", url, proc.model, PLAIN))
+    except Exception:
+        for proc in procs:
+            proc.stop()
+        raise
+    return procs, servers
+
+
+def compare(servers: list[Server], workloads: dict[str, tuple[list[str], bool]], max_tokens: int,
+            streams: tuple[int, ...], repeats: int, reference: str = "vllm", send=request,
+            client: httpx.Client | None = None) -> dict:
+    """The side-by-side figures for running servers (every workload, every stream count)."""
+    own = client is None
+    client = client or httpx.Client(timeout=httpx.Timeout(900.0, connect=10.0),
+                                    limits=httpx.Limits(max_connections=max(streams) * 2 + 4))
+    report: dict = {"servers": [s.name for s in servers], "max_tokens": max_tokens, "reference": reference,
+                    "workloads": {}}
+    try:
+        for workload, (prompts, chat) in workloads.items():
+            for server in servers:  # warm-up, not measured
+                send(client, server, prompts[0], 4, chat, -1)
+            rows: dict = {}
+            for n in streams:
+                if n == 1:
+                    records = one_stream(client, servers, prompts, max_tokens, chat, send)
+                    per = {s.name: summarize([r for r in records if r.server == s.name]) for s in servers}
+                    for name, equal in same_outputs(records, reference).items():
+                        per[name]["same_output_as_reference"] = equal
+                else:
+                    batches = many_streams(client, servers, prompts, max_tokens, chat, n, repeats, send)
+                    per = {name: summarize([r for _, rs in runs for r in rs], sum(w for w, _ in runs))
+                           for name, runs in batches.items()}
+                ref = per.get(reference, {}).get("tokens_per_s")
+                for row in per.values():
+                    row["ratio_to_reference"] = row["tokens_per_s"] / ref if ref else None
+                rows[str(n)] = per
+            report["workloads"][workload] = rows
+    finally:
+        if own:
+            client.close()
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"max_tokens {report['max_tokens']}, greedy, streaming; ratio over {report['reference']}"]
+    for workload, rows in report["workloads"].items():
+        for n, per in rows.items():
+            lines.append(f"\n{workload}, {n} stream(s)")
+            lines.append(f"{'server':<14}{'tok/s':>8}{'ratio':>7}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
+                         f"{'same':>6}")
+            for name, r in per.items():
+                same = r.get("same_output_as_reference")
+                lines.append(f"{name:<14}{r['tokens_per_s']:>8.1f}{(r['ratio_to_reference'] or 0):>7.2f}"
+                             f"{r['ttft_ms']['p50']:>8.0f}ms{r['ttft_ms']['p99']:>6.0f}ms"
+                             f"{r['itl_ms']['p50']:>7.1f}ms{r['itl_ms']['p99']:>6.1f}ms"
+                             f"{'' if same is None else f'{same:.2f}':>6}")
+    return "\n".join(lines)

@@ -109,7 +109,7 @@ def sample(probs: torch.Tensor, seed: int, position: int, stream: RandomStream) 
     """Draw one token id from `probs  # [vocab_size]` by inverse CDF with a position-keyed uniform."""
     cdf = probs.double().cumsum(dim=-1)  # [vocab_size]
     u = uniform(seed, position, stream) * cdf[-1].item()
-    index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).item())
+    index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64, device=cdf.device), right=True).item())
     index = min(index, probs.shape[-1] - 1)
     while probs[index] <= 0 and index > 0:  # never land on a zero-probability id through rounding
         index -= 1

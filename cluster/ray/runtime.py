@@ -29,7 +29,7 @@ from cluster.model.verifier import VerifierEngine
 from cluster.ray.drafter import launch_drafter
 from cluster.ray.router import Router
 from cluster.session.loop import LoopConfig
-from cluster.wire.transport import LOOPBACK, Endpoint, advertised_endpoint, bind_host
+from cluster.wire.transport import LOOPBACK, Endpoint, advertised_endpoint, bind_host, server_credentials
 from cluster.wire.verifier_pool import VerifierReplicaHandle
 from cluster.wire.verifier_server import serve
 
@@ -102,7 +102,7 @@ class VerifierRank:
 
         config = EngineConfig(**engine_config)
         if rank == 0 and config.network.tls is not None:  # unreadable certificates fail before the model loads
-            config.network.tls.server_credentials()
+            server_credentials(config.network.tls)
         if config.threads:
             torch.set_num_threads(config.threads)
         self.replica, self.rank, self.world_size = replica, rank, world_size

@@ -48,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --distributed or --engine vllm: draft | ngram | hybrid (tandem's drafter)")
     bench.add_argument("--modes", default="",
                        help="with --distributed: optional modes besides target_only, sequential, pipelined and "
-                            "pipelined_no_fill, comma-separated (sequential_tree, sequential_gamma_matches, sequential_drafter_matches, sequential_adaptive; "
-                            "default: all)")
+                            "pipelined_no_fill, comma-separated (sequential_tree, sequential_gamma_matches, "
+                            "sequential_drafter_matches, sequential_adaptive; default: all)")
     bench.add_argument("--pin-cpus", action="store_true",
                        help="with --distributed: the drafter pinned to the last CPU, the verifier to the others")
     bench.add_argument("--concurrency", default="1,4,16",
@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                             "server (plain and its ngram method), started and stopped here; interleaved greedy "
                             "streams; --concurrency 1,16 (default here), --prompts per workload")
     bench.add_argument("--peer-servers", default="vllm,vllm_ngram,tandem",
-                       help="with --peer: which servers to start (vllm, vllm_ngram, tandem)")
+                       help="with --peer: which servers to start (vllm, vllm_ngram, tandem, tandem_vllm: tandem on "
+                            "its vLLM backend)")
     bench.add_argument("--peer-config", default="ray_config.yaml", help="with --peer: tandem's Serve config")
     bench.add_argument("--peer-repeats", type=int, default=2, help="with --peer: batches per server at N streams")
     bench.add_argument("--peer-port", type=int, default=8100, help="with --peer: first port (each server +10)")

@@ -210,15 +210,15 @@ def vllm_argv(model_dir: str, port: int, dtype: str, max_model_len: int, spec: d
     return argv + (["--speculative-config", json.dumps(spec)] if spec else [])
 
 
-def tandem_argv(config: str, port: int, grpc_port: int) -> list[str]:
+def tandem_argv(config: str, port: int, grpc_port: int, engine: str | None = None) -> list[str]:
     return [sys.executable, "-m", "deployments.cli", "serve", "--config", config, "--http-port", str(port),
-            "--grpc-port", str(grpc_port)]
+            "--grpc-port", str(grpc_port)] + (["--engine", engine] if engine else [])
 
 
 def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, base_port: int, log_dir: str,
                   which: tuple[str, ...]) -> tuple[list[Process], list[Server]]:
-    """Start the servers `which` names (vllm, vllm_ngram, tandem): their processes, and the sides of the
-    comparison (tandem also as tandem_plain: the same server, `num_speculative_tokens: 0`)."""
+    """Start the servers `which` names (vllm, vllm_ngram, tandem, tandem_vllm): their processes, and the
+    sides of the comparison (each tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
     env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false"}
     procs, servers = [], []
@@ -228,15 +228,15 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
             url = f"http://127.0.0.1:{port}"
             if name in ("vllm", "vllm_ngram"):
                 argv = vllm_argv(model_dir, port, dtype, max_model_len, NGRAM_SPEC if name == "vllm_ngram" else None)
-            elif name == "tandem":
-                argv = tandem_argv(config, port, port + 1)
+            elif name in ("tandem", "tandem_vllm"):  # tandem_vllm: the same config with engine.backend vllm
+                argv = tandem_argv(config, port, port + 1, "vllm" if name == "tandem_vllm" else None)
             else:
-                raise ValueError(f"unknown server {name!r}: vllm, vllm_ngram or tandem")
+                raise ValueError(f"unknown server {name!r}: vllm, vllm_ngram, tandem or tandem_vllm")
             proc = Process(name, argv, url, env, os.path.join(log_dir, f"{name}.log"))
             procs.append(proc)
             servers.append(Server(name, url, proc.model))
-            if name == "tandem":
-                servers.append(Server("tandem_plain", url, proc.model, PLAIN))
+            if name.startswith("tandem"):
+                servers.append(Server(f"{name}_plain", url, proc.model, PLAIN))
     except Exception:
         for proc in procs:
             proc.stop()

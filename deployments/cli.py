@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 
+from transformers.utils import logging as hf_logging
+
 from cluster.core.config import EngineConfig
 from cluster.core.errors import InvalidRequestError, TandemError
 from cluster.core.sampling import SamplingParams
@@ -149,32 +151,38 @@ def _serve(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run_command(args, handler) -> int:
+    """Logging as `-v` asks, then `handler(args)`; a TandemError is one line on stderr and exit status 2.
+    The `tandem` command and `python -m tools` both run through it."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
-        from transformers.utils import logging as hf_logging
-
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-
     try:
-        if args.command == "models":
-            print(prepare_default_model(args.cache_dir, force=args.force))
-            return 0
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "drafts":
-            return run_drafts(args)
-        raise AssertionError(args.command)
+        return handler(args)
     except TandemError as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _dispatch(args) -> int:
+    if args.command == "models":
+        print(prepare_default_model(args.cache_dir, force=args.force))
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "drafts":
+        return run_drafts(args)
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(_parser().parse_args(argv), _dispatch)
 
 
 if __name__ == "__main__":

@@ -6,15 +6,11 @@ Outside the wheel: the runtime never imports this package.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 
-from transformers.utils import logging as hf_logging
-
-from cluster.core.errors import TandemError
 from cluster.core.workloads import peer_workload, workload
 from cluster.model import models
+from deployments.cli import run_command
 from tools.bench import format_report, run_bench, write_json
 from tools.bench_distributed import format_distributed, run_distributed_bench
 from tools.loadgen import format_endpoint_report, run_endpoint_bench
@@ -141,16 +137,4 @@ def _bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    try:
-        return _bench(args)
-    except TandemError as e:
-        print(f"tandem: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(_parser().parse_args(argv), _bench)

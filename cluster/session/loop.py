@@ -92,8 +92,7 @@ class SessionLoop:
         s = self.state
         if self.own_match is None or s.max_gamma <= 0 or s.policy.saturated(verifier_sessions):
             return None
-        limit = min(remaining - 1, s.max_drafts if s.max_drafts is not None else remaining)
-        drafts = self.own_match.propose(s.committed, limit)
+        drafts = self.own_match.propose(s.committed, self.draft_limit(remaining, True))
         if not drafts:
             return None
         t = time.time()
@@ -158,10 +157,22 @@ class SessionLoop:
             k = k if self.drafting else 0
         return k
 
+    def drafter_round(self, k: int, remaining: int, bonus: bool) -> DraftReply | None:
+        """The drafter's k drafts for the next round (None: lost, or nothing drafted); a sequential
+        round may be a token tree. A round longer than asked (the hybrid's long match rounds) stops
+        where the request does, and within the request's own cap; the bonus round's sync rolls the
+        drafter's sequence back to the committed one."""
+        draft = self.drafter.result(self.drafter.propose(k, self.state.take_sync(), tree=bonus))
+        if draft is None or not draft.token_ids:
+            return None
+        limit = self.draft_limit(remaining, bonus)
+        if draft.parents is None and len(draft.token_ids) > limit:
+            draft = draft.sliced(0, limit)
+        return draft
+
     def _send_sequential(self, verifier: VerifierPort, p: PipelineState) -> None:
         """One sequential round, with its bonus token: the session's own match if there is one, else the
         drafter's k drafts (a token tree when the proposer makes them), else a plain decoding step."""
-        s = self.state
         remaining = self.remaining(p)
         if remaining <= 0:
             return
@@ -169,15 +180,7 @@ class SessionLoop:
         t0 = time.time()
         draft = own = self.own_round(remaining, p.verifier_sessions)  # no drafter call
         if own is None and k > 0 and self.drafting:
-            draft = self.drafter.result(self.drafter.propose(k, s.take_sync(), tree=True))
-            if draft is not None and not draft.token_ids:
-                draft = None
-            limit = self.draft_limit(remaining, True)
-            if draft is not None and draft.parents is None and len(draft.token_ids) > limit:
-                # a round longer than asked (the hybrid's long match rounds) stops where the request
-                # does, and within the request's own cap; the bonus round's sync rolls the drafter's
-                # sequence back to the committed one
-                draft = draft.sliced(0, limit)
+            draft = self.drafter_round(k, remaining, bonus=True)
         t1 = time.time()
         self.send(verifier, p, draft, True, RoundTiming(next(p.round_ids), t0, t1), own is not None)  # None: plain
         if self.config.pipeline_depth > 1:

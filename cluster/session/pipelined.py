@@ -50,12 +50,7 @@ class PipelinedChain:
             t0 = time.time()
             draft = own = None
             if k > 0 and loop.drafting:
-                draft = loop.drafter.result(loop.drafter.propose(k, s.take_sync(), tree=False))
-                if draft is not None and not draft.token_ids:
-                    draft = None
-                limit = loop.draft_limit(remaining, False)
-                if draft is not None and draft.parents is None and len(draft.token_ids) > limit:
-                    draft = draft.sliced(0, limit)  # within the request's end and its own cap
+                draft = loop.drafter_round(k, remaining, bonus=False)
             t1 = time.time()
             bonus = False
             if draft is None:

@@ -25,6 +25,7 @@ from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import SamplingParams
 from cluster.model import models
 from cluster.session.speculate import validate_request
+from cluster.wire.codec import processor_fields_from_pb
 from deployments.chunks import Chunk, ErrorChunk, FinishChunk, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.failover import FailoverMetrics, resumable_stream
@@ -136,12 +137,17 @@ class Ingress:
             raise InvalidRequestError(f"max_tokens: {max_tokens} exceeds this server's limit of {limit}")
         params = SamplingParams.build(max_tokens=max_tokens, **fields)
         validate_request(prompt_ids, params, self.context_limit, self.tokenizer, self.vocab_size)
+        if self.config.engine.backend == "vllm" and params.uses_processor_fields:
+            raise InvalidRequestError("penalties, min_p, logit_bias, min_tokens, stop_token_ids, bad_words and "
+                                      "allowed_token_ids are not served on the vLLM backend (engine.backend: vllm); "
+                                      "the torch backend serves them")
         return params.with_seed()  # fixed here: a resumed session (failover) draws the same numbers
 
     def _http_params(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                      max_tokens: int | None) -> SamplingParams:
         return self._sampling(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+                              top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                              **body.processor_fields(self.tokenizer))
 
     def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
         if not messages:
@@ -307,7 +313,7 @@ class Ingress:
             p = request.params
             params = self._sampling(prompt_ids, p.max_tokens or None, temperature=p.temperature,
                                     top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
-                                    stop=list(p.stop), ignore_eos=p.ignore_eos)
+                                    stop=list(p.stop), ignore_eos=p.ignore_eos, **processor_fields_from_pb(p))
         except InvalidRequestError as e:
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             grpc_context.set_details(str(e))

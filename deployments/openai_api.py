@@ -3,7 +3,7 @@ OpenAI-style error body (responses: `deployments/openai_responses.py`).
 
 Policy (README, "Serving"): what tandem can honour is served; fields that change nothing it serves are
 accepted and ignored (each name logged once per process), unknown fields too, as vLLM does; what it
-cannot honour (n > 1, log probabilities, tools, penalties, ...) is accepted only at its default value
+cannot honour (n > 1, log probabilities, tools, ...) is accepted only at its default value
 and refused otherwise with a 400 that says why. The body is read with a size bound (413) and checked
 for nesting depth and unencodable strings before any model sees it, so no input reaches a layer that
 cannot hold it: integers and floats are bounded here to what protobuf and the verifier take (floats rounded to float32).
@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
+from cluster.core.processors import tokenize_bad_words
 from protos import MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ MAX_UINT32 = 2**32 - 1  # protobuf's uint32 (max_tokens, top_k, token ids)
 MIN_POSITIVE_FLOAT = 1e-6  # smallest positive temperature or top_p (protobuf's float would round some to 0)
 NOT_SERVED = "Not supported: "  # the description prefix of fields accepted only at their default
 MAX_STOP = 16  # stop strings per request (cluster.core.sampling.SamplingParams)
+MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids (cluster.core.sampling.MAX_TOKEN_LIST)
+MAX_BAD_WORDS = 64  # bad_words strings (each may tokenize two ways: at most SamplingParams' 128 sequences)
 
 # Exact schemas of the fields whose before-validators give their own messages (a pydantic union would
 # report each member's failure); the token ids' upper bound is the model's vocabulary, checked later.
@@ -238,13 +241,15 @@ class _Common(_Lenient):
     num_speculative_tokens: int | None = Field(None, ge=0, le=32, description="Extension: cap on γ (draft length) for this request; 0 is plain decoding.")
     return_token_ids: bool = Field(False, description="Extension: each choice also carries the generated token ids.")
     n: int = not_served(1, "one completion per request (n = 1); send n requests instead", ge=1, le=1)
-    presence_penalty: float = not_served(0.0, "penalties change the target's distribution; only 0 is served", ge=0.0, le=0.0)
-    frequency_penalty: float = not_served(0.0, "penalties change the target's distribution; only 0 is served", ge=0.0, le=0.0)
-    repetition_penalty: float = not_served(1.0, "penalties change the target's distribution; only 1 is served", ge=1.0, le=1.0)
-    min_p: float = not_served(0.0, "min-p sampling; only 0 is served", ge=0.0, le=0.0)
-    min_tokens: int = not_served(0, "a minimum output length; only 0 is served", ge=0, le=0)
-    logit_bias: dict[str, float] | None = not_served(None, "logit bias; only an empty map is served", max_length=0)
-    stop_token_ids: list[int] | None = not_served(None, "stop token ids; use `stop` strings", max_length=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token already in the output (-2 .. 2).")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per occurrence in the output (-2 .. 2).")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description="Extension (vLLM): a token of the prompt or output has its logit divided by this when positive, multiplied when negative; 1 is off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Extension (vLLM): drop tokens less likely than min_p times the most likely one (served with speculation).")
+    min_tokens: int = Field(0, ge=0, le=MAX_UINT32, description="Extension (vLLM): EOS and stop_token_ids are held back until this many tokens are generated (at most max_tokens).")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_TOKEN_LIST, description="Token id (a string, as OpenAI sends it) -> added to its logit (-100 .. 100); served with speculation.")
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_UINT32)]] | None = Field(None, max_length=MAX_TOKEN_LIST, description="Extension (vLLM): token ids that end generation (kept in `token_ids`).")
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS, description="Extension (vLLM): words never generated (each tokenized as vLLM does: as it is and after a space).")
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_UINT32)]] | None = Field(None, min_length=1, description="Extension (vLLM): only these token ids may be generated.")
     include_stop_str_in_output: Literal[False] = not_served(False, "the stop string is never included in the output")
     skip_special_tokens: Literal[True] = not_served(True, "special tokens are always left out of the text")
     use_beam_search: Literal[False] = not_served(False, "beam search")
@@ -275,6 +280,23 @@ class _Common(_Lenient):
         if 0.0 < value < MIN_POSITIVE_FLOAT:
             raise ValueError(f"must be 0 or at least {MIN_POSITIVE_FLOAT} (smaller values cannot be carried)")
         return struct.unpack("f", struct.pack("f", value))[0]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_UINT32:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings); got {key[:32]!r}")
+        return bias
+
+    def processor_fields(self, tokenizer) -> dict:
+        """The logits processors' `SamplingParams` keywords (`bad_words` tokenized with `tokenizer`)."""
+        return dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
+                    logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                    stop_token_ids=list(dict.fromkeys(self.stop_token_ids or [])),
+                    bad_words=tokenize_bad_words(tokenizer, self.bad_words or []),
+                    allowed_token_ids=self.allowed_token_ids)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from cluster.core.errors import InvalidRequestError, TandemError
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import GenerationResult, SpeculationStats
+from cluster.core.stopping import output_text
 from cluster.model import models
 from cluster.ray.router import Router
 from deployments.chunks import Chunk, ErrorChunk, FinishChunk, SessionProgress, TokensChunk
@@ -33,10 +34,12 @@ class IncrementalText:
     """Text deltas of a growing output that never take back what they sent: an incomplete UTF-8
     character and anything that may still turn into a stop string are held back until settled."""
 
-    def __init__(self, tokenizer, stop: list[str], sent: str = ""):
+    def __init__(self, tokenizer, stop: list[str], sent: str = "", stop_token_ids=(), min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.stop_token_ids = list(stop_token_ids)  # a stop token id ends the output; its text is left out (vLLM)
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.stop = stop
+        self.min_tokens = min_tokens
         self.sent = sent
 
     def full(self, token_ids: list[int]) -> str:
@@ -44,9 +47,7 @@ class IncrementalText:
         return self._text(token_ids)
 
     def _text(self, token_ids: list[int]) -> str:
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        return output_text(self.tokenizer, token_ids, self.stop, self.stop_token_ids, self.min_tokens)
 
     def update(self, token_ids: list[int]) -> str:
         text = self._text(token_ids)
@@ -144,7 +145,8 @@ class RouterDeployment:
 
         self._waiting += 1
         self.executor.submit(run)
-        text = IncrementalText(self.tokenizer, params.stop, sent=resume.text)
+        text = IncrementalText(self.tokenizer, params.stop, sent=resume.text, stop_token_ids=params.stop_token_ids,
+                               min_tokens=params.min_tokens)
         output: list[int] = list(resume.token_ids)
         try:
             while True:

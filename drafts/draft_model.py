@@ -11,6 +11,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from cluster.core.processors import process_sequence
 from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
 from cluster.model.runner import TorchModelRunner
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
@@ -67,17 +68,18 @@ class DraftModelProposer(SequenceProposer):
             logits = self.runner.extend_batch(feeds, num_logits={s: 1 for s in active})  # {s: [1, vocab]}
             for s in active:
                 tokens, params = self.tokens(s), self._params[s]
+                row = process_sequence(logits[s], params, tokens)  # [1, vocab]: as the target's at this position
                 if params.greedy:
-                    token = int(logits[s][0].argmax())
+                    token = int(row[0].argmax())
                 else:
-                    q = probabilities(logits[s], params)[0]  # [vocab_size]
+                    q = probabilities(row, params)[0]  # [vocab_size]
                     if self.max_support and self.max_support < q.shape[-1]:
                         top = torch.topk(q, self.max_support)
                         q = torch.zeros_like(q).scatter_(0, top.indices, top.values / top.values.sum())
                     token = sample(q, params.seed or 0, len(tokens), RandomStream.DRAFT)
                     rows[s].append(q)
                 if step == 0 and s in trees and self.tree_width > 1:
-                    ranked = torch.topk(logits[s][0], self.tree_width).indices.tolist()
+                    ranked = torch.topk(row[0], self.tree_width).indices.tolist()
                     siblings[s] = [t for t in ranked if t != token][: self.tree_width - 1]
                 tokens.append(token)
                 drafts[s].append(token)

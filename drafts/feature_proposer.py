@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.core.processors import process_sequence
 from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 
@@ -164,17 +165,21 @@ class FeatureProposer(SequenceProposer):
         drafts, rows = [], []
         for step in range(k):
             logits = self.draft.logits(out[None])[0].float()  # [K]
-            if params.greedy:
+            if params.greedy and not params.processes_logits:
                 token = int(self.draft.vocab[int(logits.argmax())])
             else:
                 full = torch.full((self.vocab_size,), float("-inf"), device=logits.device)
                 full[self.draft.vocab] = logits.float()
-                q = probabilities(full[None], params)[0]  # [vocab_size]
-                if self.max_support and self.max_support < int((q > 0).sum()):
-                    top = torch.topk(q, self.max_support)
-                    q = torch.zeros_like(q).scatter_(0, top.indices, top.values / top.values.sum())
-                token = sample(q, params.seed or 0, len(tokens), RandomStream.DRAFT)
-                rows.append(q)
+                full = process_sequence(full[None], params, tokens)  # [1, vocab_size], as the target's here
+                if params.greedy:
+                    token = int(full[0].argmax())
+                else:
+                    q = probabilities(full, params)[0]  # [vocab_size]
+                    if self.max_support and self.max_support < int((q > 0).sum()):
+                        top = torch.topk(q, self.max_support)
+                        q = torch.zeros_like(q).scatter_(0, top.indices, top.values / top.values.sum())
+                    token = sample(q, params.seed or 0, len(tokens), RandomStream.DRAFT)
+                    rows.append(q)
             tokens.append(token)
             drafts.append(token)
             if step + 1 < k:

@@ -77,7 +77,9 @@ class SequenceProposer:
         if session in self._tokens:
             raise InvalidRequestError(f"session {session!r} already started on proposer {self.name}")
         self._tokens[session] = list(prompt_ids)
-        self._params[session] = params
+        if params.processes_logits and params.prompt_length is None:  # started with the prompt alone
+            params = params.model_copy(update={"prompt_length": len(prompt_ids)})
+        self._params[session] = params  # the processors read the prompt / output split from it
 
     @property
     def num_sessions(self) -> int:

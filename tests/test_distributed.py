@@ -9,11 +9,14 @@ import time
 import grpc
 import pytest
 import ray
+import torch
 
 from cluster.core.config import EngineConfig, PlacementConfig
 from cluster.core.errors import ConfigError
 from cluster.core.sampling import SamplingParams
+from cluster.model.runner import TorchModelRunner
 from cluster.ray.runtime import ClusterConfig, TandemCluster, init_local_ray
+from cluster.session.speculate import SpeculativeDecoder
 from drafts.policy import SpeculationPolicyConfig
 from protos import pb
 
@@ -79,6 +82,26 @@ def test_pipelined_greedy_equality_and_overlap(pipelined, prompt_ids, references
     # rejections happened, their bubbles were filled with plain steps, and redrafts went on after them
     assert metrics.bubble_fills > metrics.bubble_fill_misses >= 0 and metrics.stale_rounds > 0
     assert metrics.shared_sequential_rounds == 0  # one session at a time: always pipelined
+
+
+def test_processors_greedy_equality_through_the_cluster(pipelined, prompt_ids, references, target_fp32, tokenizer):
+    """Repetition penalty, bad words and logit bias over Ray + gRPC (pipelined, a real draft) equal
+    transformers' generate with the same processors; presence / frequency penalties and allowed ids equal
+    tandem's plain decoding in process."""
+    plain = SpeculativeDecoder(TorchModelRunner(target_fp32), None, tokenizer, 0)
+    for ids in prompt_ids[:2]:
+        ref = references[tuple(ids)]
+        words, bias = [[ref[3]]], {ref[5]: -5.0, ref[1]: 2.0}
+        with torch.inference_mode():
+            out = target_fp32.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       do_sample=False, max_new_tokens=MAX_TOKENS, repetition_penalty=1.2,
+                                       bad_words_ids=words, sequence_bias=[[[t], b] for t, b in bias.items()])
+        want = out[0, len(ids):].tolist()
+        params = SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.2, bad_words=words, logit_bias=bias)
+        assert want != ref and pipelined.generate(ids, params).token_ids == want
+        params = SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=0.7, frequency_penalty=0.4,
+                                allowed_token_ids=sorted(set(ref) - {ref[2]}))
+        assert pipelined.generate(ids, params).token_ids == plain.generate(ids, params).token_ids
 
 
 def test_sequential_greedy_equality_without_overlap(ray_local, prompt_ids, references):

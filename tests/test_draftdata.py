@@ -188,11 +188,11 @@ def test_magpie_prefix_and_filter(tok, heldout):
 
 _SNAPSHOT = """
 import hashlib, json, sys, numpy as np
-from transformers import AutoTokenizer
 from tools.draftdata.corpora import Corpora
 from tools.draftdata.heldout import HeldOut
 from tools.draftdata.prompts import StaticSources
-c = Corpora.build(AutoTokenizer.from_pretrained(sys.argv[1]))
+with open(sys.argv[1]) as f:
+    c = Corpora.from_json(json.load(f))
 s = StaticSources(c, 7, HeldOut.default())
 rng, cur, seen = np.random.default_rng(7), {}, set()
 texts = [p.text for k in ("topic", "code", "completion") for p in s.draw(k, 50, rng, cur, seen)]
@@ -206,13 +206,17 @@ def _snapshot(corpora: Corpora, heldout: HeldOut, seed: int) -> tuple[dict, list
     return corpora.to_json(), [p.text for k in ("topic", "code", "completion") for p in s.draw(k, 50, rng, cur, seen)]
 
 
-def test_prompt_sources_are_deterministic(tok, corpora, heldout, model_dir):
+def test_prompt_sources_are_deterministic(tok, corpora, heldout, tmp_path):
     assert Corpora.from_json(json.loads(json.dumps(corpora.to_json()))) == corpora
     a, b, c = (_snapshot(corpora, heldout, s) for s in (7, 7, 8))
     assert a == b and a[1] != c[1]
-    # and in a fresh process (hash seeds, object addresses and import order differ there)
+    # and in a fresh process (hash seeds, object addresses and import order differ there), from the
+    # corpora snapshot a resumed run reads back (`load_sources`; building the corpora introspects
+    # the importing process, which is why the first run writes the snapshot)
+    snapshot = tmp_path / "corpora.json"
+    snapshot.write_text(json.dumps(corpora.to_json()))
     here = hashlib.sha256(json.dumps(list(a), sort_keys=True).encode()).hexdigest()
-    there = subprocess.run([sys.executable, "-c", _SNAPSHOT, str(model_dir)], cwd=ROOT, capture_output=True,
+    there = subprocess.run([sys.executable, "-c", _SNAPSHOT, str(snapshot)], cwd=ROOT, capture_output=True,
                            text=True, timeout=120, check=True).stdout.strip().splitlines()[-1]
     assert there == here
 

@@ -225,6 +225,16 @@ def test_malformed_grpc_request_as_on_torch(server, request_, needle):
     assert needle in info.value.details()
 
 
+def test_logits_processors_are_refused_on_vllm(server, client):
+    """Not passed through yet: a clear 400 (vLLM itself refuses min_p and logit_bias with speculation)."""
+    for extra in ({"presence_penalty": 0.5}, {"min_p": 0.1}, {"logit_bias": {"1": 2}}, {"stop_token_ids": [7]}):
+        with pytest.raises(openai.BadRequestError, match="not served on the vLLM backend"):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=extra)
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(server, pb.GenerateRequest(model=MODEL, prompt="hi", params=pb.SamplingParams(max_tokens=2, min_p=0.1)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vLLM backend" in info.value.details()
+
+
 def test_prompt_past_vllms_context_is_refused(server, client):
     """vLLM's max_model_len (2048 here) is shorter than the model's 8192: the router refuses with 400."""
     with pytest.raises(openai.BadRequestError, match="context length"):

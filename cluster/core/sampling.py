@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import enum
 import os
+from typing import Annotated
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.core.errors import InvalidRequestError, validation_message
+
+MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids
 
 
 class SamplingParams(BaseModel):
@@ -28,6 +31,19 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling; random when unset.")
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings; the text ends before the first one.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    # logits processors (`cluster.core.processors`; vLLM's names, ranges and semantics); the defaults are off
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once it is in the output.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit per occurrence in the output.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description="A token of the prompt or output has its logit divided by this when positive, multiplied when negative; 1 is off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p times the most likely one (after temperature).")
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(default_factory=dict, max_length=MAX_TOKEN_LIST, description="Token id -> added to its logit (-100 .. 100).")
+    min_tokens: int = Field(0, ge=0, description="Hold back EOS and stop_token_ids until the output has this many tokens.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_TOKEN_LIST, description="Token ids that end generation (kept in the output, as EOS).")
+    bad_words: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=128, description="Token sequences never generated: a sequence's last token is masked where the output ends with the rest of it.")
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=1 << 20, description="Only these token ids may be generated.")
+    # set by the decoding engine for a session, not by clients (`for_session`)
+    prompt_length: int | None = Field(None, ge=0, description="Internal: how many leading committed tokens are the prompt (None: those a session opens with).")
+    eos_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64, description="Internal: the model's end-of-sequence ids (held back by min_tokens).")
 
     @field_validator("stop")
     @classmethod
@@ -36,9 +52,52 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stop
 
+    @field_validator("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("must be a finite number")
+        return value
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalizes(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any processor of `cluster.core.processors` acts (min_p acts in `probabilities`)."""
+        return bool(self.penalizes or self.logit_bias or self.min_tokens or self.bad_words
+                    or self.allowed_token_ids is not None)
+
+    @property
+    def uses_processor_fields(self) -> bool:
+        """Whether any field of the processors is set (min_p and stop_token_ids included)."""
+        return self.processes_logits or self.min_p > 0.0 or bool(self.stop_token_ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id the processors name lies in the vocabulary (InvalidRequestError otherwise)."""
+        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words"):
+            value = getattr(self, name) or ()
+            ids = [t for word in value for t in word] if name == "bad_words" else list(value)
+            if any(t >= vocab_size for t in ids):
+                raise InvalidRequestError(f"{name}: token ids must lie in [0, {vocab_size})")
+
+    def for_session(self, prompt_length: int, eos_token_ids) -> "SamplingParams":
+        """A copy carrying what the processors need of the session (its prompt length, the model's EOS ids);
+        itself when no processor acts. Set by whoever opens the session on the verifier and the drafter."""
+        if not self.processes_logits:
+            return self
+        return self.model_copy(update={"prompt_length": prompt_length, "eos_token_ids": sorted(set(eos_token_ids))})
 
     @classmethod
     def build(cls, **kwargs) -> "SamplingParams":
@@ -59,11 +118,16 @@ class SamplingParams(BaseModel):
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (transformers' order), then softmax.
+    """Temperature, then min-p (vLLM's place for it), then top-k, then top-p (transformers' order), then
+    softmax. `logits` are processed already (`cluster.core.processors`) where processors act.
 
     logits  # [n, vocab_size] -> probs  # [n, vocab_size], float32
     """
     logits = logits.float() / max(params.temperature, 1e-5)
+    if params.min_p > 0.0:
+        probs = logits.softmax(dim=-1)  # [n, vocab_size]
+        threshold = probs.amax(dim=-1, keepdim=True) * params.min_p  # [n, 1]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,4 +1,7 @@
-"""Stop conditions shared by every decoding loop: EOS, stop strings, max_tokens."""
+"""Stop conditions shared by every decoding loop: EOS and `stop_token_ids`, stop strings, max_tokens.
+
+`min_tokens` holds back EOS and the stop ids in the logits (`cluster.core.processors`); here it holds back
+stop strings too, as vLLM does (no stop is looked for before the output has that many tokens)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ class StopChecker:
 
     def __init__(self, tokenizer, eos_token_ids: Iterable[int], params: SamplingParams):
         self.tokenizer = tokenizer
-        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        # stop_token_ids end generation even with ignore_eos (vLLM); kept in the output as EOS is
+        self.eos_token_ids = (set() if params.ignore_eos else set(eos_token_ids)) | set(params.stop_token_ids)
         self.params = params
 
     def commit(self, output: list[int], new_tokens: list[int]) -> str | None:
@@ -35,9 +39,10 @@ class StopChecker:
 
     def _find_stop(self, output: list[int], num_new: int) -> int | None:
         """Smallest token count whose text contains a stop string, looking only at new tokens."""
-        for end in range(len(output) - num_new + 1, len(output) + 1):
+        floor = _floor(self.tokenizer, output, self.params.min_tokens)
+        for end in range(max(len(output) - num_new + 1, self.params.min_tokens), len(output) + 1):
             text = self.tokenizer.decode(output[:end], skip_special_tokens=True)
-            if any(s in text for s in self.params.stop):
+            if _first_stop(text, self.params.stop, floor) is not None:
                 return end
         return None
 
@@ -45,6 +50,30 @@ class StopChecker:
         """The output's text, ending before the first stop string."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(output, skip_special_tokens=True)
-        cuts = [text.find(s) for s in self.params.stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        return output_text(self.tokenizer, output, self.params.stop, self.params.stop_token_ids,
+                           self.params.min_tokens)
+
+
+def output_text(tokenizer, output: list[int], stop: Iterable[str] = (), stop_token_ids: Iterable[int] = (),
+                min_tokens: int = 0) -> str:
+    """The text of `output` as a client sees it: a final stop token id's text left out (vLLM), and cut
+    before the first stop string that ends past the text of the first `min_tokens - 1` tokens (what
+    `StopChecker` stops at: a stop string inside the first tokens `min_tokens` holds back stays text)."""
+    if output and output[-1] in set(stop_token_ids):
+        output = output[:-1]
+    text = tokenizer.decode(output, skip_special_tokens=True)
+    if not stop:
+        return text
+    cut = _first_stop(text, stop, _floor(tokenizer, output, min_tokens))
+    return text if cut is None else text[:cut]
+
+
+def _floor(tokenizer, output: list[int], min_tokens: int) -> int:
+    """The length of the text of the first `min_tokens - 1` tokens: a stop string must end past it."""
+    return len(tokenizer.decode(output[:min_tokens - 1], skip_special_tokens=True)) if min_tokens > 1 else 0
+
+
+def _first_stop(text: str, stop: Iterable[str], floor: int) -> int | None:
+    """Where the first stop string ending past `floor` starts in `text`, or None."""
+    cuts = [at for s in stop if (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    return min(cuts) if cuts else None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.core.errors import InvalidRequestError
+from cluster.core.processors import process_sequence
 from cluster.core.rejection import rejection_sample
 from cluster.core.sampling import SamplingParams
 from cluster.core.tree import TokenTree, tree_rejection_sample
@@ -74,6 +75,7 @@ class _Session:
     epoch: int = 0
     pending: deque = field(default_factory=deque)  # (Round, Callback), in arrival order
     features: bool = False  # send the target's hidden states of committed positions (a feature-fed draft)
+    tokens: list[int] | None = None  # the committed tokens (prompt, then output), kept only where processors act
 
 
 class VerifierEngine:
@@ -101,6 +103,11 @@ class VerifierEngine:
             raise InvalidRequestError(f"open: token ids must lie in [0, {self.runner.vocab_size})")
         if len(token_ids) > self.runner.max_context:
             raise InvalidRequestError(f"open: {len(token_ids)} tokens exceed the context of {self.runner.max_context}")
+        params.check_vocab(self.runner.vocab_size)
+        if params.processes_logits and params.prompt_length is None:  # opened with the prompt alone
+            params = params.model_copy(update={"prompt_length": len(token_ids)})
+        if params.prompt_length is not None and params.prompt_length > len(token_ids):
+            raise InvalidRequestError(f"open: a prompt of {params.prompt_length} tokens but {len(token_ids)} tokens")
         if features and not getattr(self.runner, "supports_features", False):
             raise InvalidRequestError(f"open: this target runner ({type(self.runner).__name__}) cannot send features "
                                       "for a feature-fed draft")
@@ -122,7 +129,8 @@ class VerifierEngine:
                 self.runner.release(session)
                 raise
             self._sessions[session] = _Session(params.with_seed(), len(token_ids), [int(token_ids[-1])],
-                                               features=features)
+                                               features=features,
+                                               tokens=[int(t) for t in token_ids] if params.processes_logits else None)
         return len(token_ids), prompt_features
 
     def release(self, session: str) -> bool:
@@ -247,9 +255,13 @@ class VerifierEngine:
         k = len(rnd.token_ids)
         fed_start, num_fed_committed = state.num_tokens - len(state.uncached), len(state.uncached)
         head = [] if state.uncached else [state.next_logits[None]]
-        dists = torch.cat(head + ([rows] if rows is not None else []))  # [k + 1, vocab_size]
-        result = rejection_sample(rnd.token_ids, dists if rnd.bonus else dists[:k], rnd.draft_probs,
-                                  state.params, start_position=state.num_tokens)
+        dists = torch.cat(head + ([rows] if rows is not None else []))  # [k + 1, vocab_size], raw
+        scored = dists if rnd.bonus else dists[:k]
+        if state.tokens is not None:  # row i continues the committed tokens + drafts 0..i-1
+            scored = process_sequence(scored, state.params, state.tokens,
+                                      [rnd.token_ids[:i] for i in range(scored.shape[0])])
+        result = rejection_sample(rnd.token_ids, scored, rnd.draft_probs, state.params,
+                                  start_position=state.num_tokens)
         out = RoundResult(sid, rnd.round, rnd.epoch, result.num_accepted, result.output_token_ids,
                           result.recovered, result.bonus, verify_start=start, verify_end=end)
         if state.features:
@@ -266,6 +278,8 @@ class VerifierEngine:
         else:
             state.uncached, state.next_logits = [], dists[k]
         state.num_tokens += len(result.output_token_ids)
+        if state.tokens is not None:
+            state.tokens.extend(result.output_token_ids)
         return out
 
     def _commit_tree(self, sid: str, state: _Session, rnd: Round, rows: torch.Tensor,
@@ -276,6 +290,9 @@ class VerifierEngine:
         fed_start = state.num_tokens - num_prefix
         head = [] if num_prefix else [state.next_logits[None]]
         dists = torch.cat(head + [rows[max(0, num_prefix - 1):]])  # [n + 1, vocab_size]: root, then each node
+        if state.tokens is not None:  # each node's row continues the committed tokens + its path
+            dists = process_sequence(dists, state.params, state.tokens,
+                                     [[]] + [tree.path_tokens(tree.path(i)) for i in range(len(tree))])
         result = tree_rejection_sample(tree, dists, state.params, start_position=state.num_tokens)
         self.runner.keep_tree_path(sid, state.num_tokens, result.node_path)  # uncached tokens now cached
         out = RoundResult(sid, rnd.round, rnd.epoch, result.num_accepted, result.output_token_ids,
@@ -288,4 +305,6 @@ class VerifierEngine:
         if result.recovered:
             state.epoch += 1
         state.num_tokens += len(result.output_token_ids)
+        if state.tokens is not None:
+            state.tokens.extend(result.output_token_ids)
         return out

@@ -166,6 +166,7 @@ class Router:
         if not validated:
             self.validate(prompt_ids, params)
         params = params.with_seed()  # returns `params` itself when the seed is set
+        params = params.for_session(len(prompt_ids), self.eos_token_ids)  # what the processors need (or itself)
         session = f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         self.metrics.add(sessions=1)
         if stats is None:

@@ -36,6 +36,8 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, max_cont
         raise InvalidRequestError("the prompt is empty")
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_ids):
         raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
+    if vocab_size is not None:
+        params.check_vocab(vocab_size)
     total = len(prompt_ids) + params.max_tokens
     if total > max_context:
         raise InvalidRequestError(
@@ -98,7 +100,7 @@ class SpeculativeDecoder:
         included (0 = plain decoding), as `Router.generate`'s does."""
         prompt_ids = list(prompt_ids)
         self.validate(prompt_ids, params)
-        params = params.with_seed()
+        params = params.with_seed().for_session(len(prompt_ids), self.eos_token_ids)
         session = f"local-{next(self._ids)}-{uuid.uuid4().hex[:6]}"  # proposers may be shared by decoders
         stats = SpeculationStats(num_prompt_tokens=len(prompt_ids))
         self.metrics.add(sessions=1)

@@ -71,6 +71,9 @@ def to_vllm_params(params: SamplingParams, **extra):
     """vLLM's SamplingParams for ours; `extra` (e.g. output_kind) goes through as it is."""
     from vllm import SamplingParams as VParams
 
+    if params.uses_processor_fields:  # never dropped silently (the ingress refuses them first)
+        raise InvalidRequestError("penalties, min_p, logit_bias, min_tokens, stop_token_ids, bad_words and "
+                                  "allowed_token_ids are not served on the vLLM backend; the torch backend serves them")
     return VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                    top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
                    ignore_eos=params.ignore_eos, **extra)

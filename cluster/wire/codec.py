@@ -20,18 +20,42 @@ from protos import pb
 
 
 def params_to_pb(params: SamplingParams):
-    return pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                             top_k=params.top_k, seed=params.seed, stop=params.stop, ignore_eos=params.ignore_eos)
+    msg = pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                            top_k=params.top_k, seed=params.seed, stop=params.stop, ignore_eos=params.ignore_eos,
+                            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                            min_p=params.min_p, logit_bias=params.logit_bias, min_tokens=params.min_tokens,
+                            stop_token_ids=params.stop_token_ids,
+                            bad_words=[pb.TokenIds(token_ids=w) for w in params.bad_words],
+                            allowed_token_ids=params.allowed_token_ids or [],
+                            eos_token_ids=params.eos_token_ids)
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
+    if params.prompt_length is not None:
+        msg.prompt_length = params.prompt_length
+    return msg
+
+
+def processor_fields_from_pb(msg) -> dict:
+    """The logits processors' fields of a pb.SamplingParams, as `SamplingParams` keywords (the public
+    `Generation` API's too; unset or zero values mean off)."""
+    return dict(presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+                min_p=msg.min_p, logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
+                stop_token_ids=list(msg.stop_token_ids), bad_words=[list(w.token_ids) for w in msg.bad_words],
+                allowed_token_ids=list(msg.allowed_token_ids) or None)
 
 
 def params_from_pb(msg) -> SamplingParams:
     """The session's parameters as a verifier receives them, checked there (InvalidRequestError): its gRPC
     port is an entry point of its own, and protobuf's types do not bound what SamplingParams refuses (a NaN
-    or negative temperature, top_p > 1, a seed >= 2^63, empty or too many stop strings)."""
+    or negative temperature, top_p > 1, a seed >= 2^63, empty or too many stop strings, penalties out of
+    range)."""
     return SamplingParams.build(
         max_tokens=max(1, msg.max_tokens), temperature=msg.temperature, top_p=msg.top_p or 1.0,
         top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
-        ignore_eos=msg.ignore_eos)
+        ignore_eos=msg.ignore_eos, **processor_fields_from_pb(msg),
+        prompt_length=msg.prompt_length if msg.HasField("prompt_length") else None,
+        eos_token_ids=list(msg.eos_token_ids))
 
 
 # -- draft proposals ----------------------------------------------------------------------------

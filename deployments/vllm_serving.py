@@ -80,6 +80,15 @@ def llm_config(config: TandemAppConfig):
                      engine_kwargs=engine_kwargs, runtime_env={"env_vars": env}, deployment_config=deployment)
 
 
+def _resumed(sampling: SamplingParams, done: int, remaining: int) -> SamplingParams | None:
+    """The params of a session that goes on from prompt + `done` output tokens: vLLM sees those as
+    prompt, so `min_tokens` counts on from them. Presence and frequency penalties count the output only,
+    which vLLM cannot tell from the prompt any more: None (the caller fails loudly rather than differ)."""
+    if done and (sampling.presence_penalty or sampling.frequency_penalty):
+        return None
+    return sampling.model_copy(update={"max_tokens": remaining, "min_tokens": max(0, sampling.min_tokens - done)})
+
+
 def _delta_params(params: SamplingParams):
     """vLLM's params for a streamed request: each output carries only the new tokens."""
     from vllm.sampling_params import RequestOutputKind
@@ -227,7 +236,8 @@ class VLLMRouterDeployment:
         output = list(resume.token_ids)
         stats = SpeculationStats(**resume.stats) if resume.stats else SpeculationStats(num_prompt_tokens=len(prompt_ids))
         remaining = sampling.max_tokens - len(output)
-        text = IncrementalText(self.tokenizer, sampling.stop, sent=resume.text)
+        text = IncrementalText(self.tokenizer, sampling.stop, sent=resume.text, stop_token_ids=sampling.stop_token_ids,
+                               min_tokens=sampling.min_tokens)
         session = f"tandem-{uuid.uuid4().hex}"
         t_start = time.perf_counter()
         first_token_s = None
@@ -237,7 +247,12 @@ class VLLMRouterDeployment:
         try:
             if remaining > 0:
                 # a resumed session goes on from prompt + what was sent (sampling is keyed by position)
-                step = sampling.model_copy(update={"max_tokens": remaining})
+                step = _resumed(sampling, len(output), remaining)
+                if step is None:
+                    self.metrics.errors.inc(1, {"kind": "server_error"})
+                    yield ErrorChunk("server_error", "a session with presence or frequency penalties cannot be "
+                                     "resumed exactly on the vLLM backend after a replica failed; retry the request")
+                    return
                 stream = self.verifier.options(stream=True).generate_tokens.remote(
                     session, list(prompt_ids) + output, step, max_speculative_tokens)
                 async for chunk in stream:

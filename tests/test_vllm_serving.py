@@ -225,11 +225,41 @@ def test_malformed_grpc_request_as_on_torch(server, request_, needle):
     assert needle in info.value.details()
 
 
-def test_logits_processors_are_refused_on_vllm(server, client):
-    """Not passed through yet: a clear 400 (vLLM itself refuses min_p and logit_bias with speculation)."""
-    for extra in ({"presence_penalty": 0.5}, {"min_p": 0.1}, {"logit_bias": {"1": 2}}, {"stop_token_ids": [7]}):
-        with pytest.raises(openai.BadRequestError, match="not served on the vLLM backend"):
+def test_logits_processors_pass_through_to_vllm(server, client, target_fp32, prompt_ids, references):
+    """Penalties, min_tokens, stop_token_ids and allowed_token_ids reach vLLM, which applies them to the
+    target at every draft position: with tandem's drafts the output equals transformers' with the same
+    processors (repetition penalty, min_new_tokens) and vLLM's own plain decoding (the rest)."""
+    import torch
+
+    ids, ref = prompt_ids[1], _ref(references, prompt_ids, 1)
+    with torch.inference_mode():
+        out = target_fp32.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=MAX_TOKENS, repetition_penalty=1.3)
+    want = out[0, len(ids):].tolist()
+
+    def complete(cap=None, **extra):
+        body = {"return_token_ids": True, **extra, **({} if cap is None else {"num_speculative_tokens": cap})}
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[1][0], max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body=body)
+        return r.choices[0].model_extra["token_ids"], r.model_extra["speculation"]
+
+    got, spec = complete(repetition_penalty=1.3)
+    assert want != ref and got == want and spec["drafted"] > 0
+    extra = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "allowed_token_ids": sorted(set(ref) - {ref[3]}),
+             "stop_token_ids": [ref[10]], "min_tokens": 12}
+    got, spec = complete(**extra)
+    plain, _ = complete(cap=0, **extra)
+    assert got == plain and got != ref and spec["drafted"] > 0 and ref[3] not in got
+    assert len(got) >= 12 and (len(got) == MAX_TOKENS or got[-1] == ref[10])
+
+
+def test_processors_vllm_refuses_under_speculation_are_refused(server, client):
+    """vLLM refuses min_p and logit_bias with speculative decoding (and tandem does not hand it bad_words
+    yet): a clear 400 / INVALID_ARGUMENT naming the torch backend, never a silent drop."""
+    for extra in ({"min_p": 0.1}, {"logit_bias": {"1": 2}}, {"bad_words": ["hello"]}):
+        with pytest.raises(openai.BadRequestError, match="not served on the vLLM backend") as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=extra)
+        assert next(iter(extra)) in str(info.value) and "torch backend" in str(info.value)
     with pytest.raises(grpc.RpcError) as info:
         _generate(server, pb.GenerateRequest(model=MODEL, prompt="hi", params=pb.SamplingParams(max_tokens=2, min_p=0.1)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vLLM backend" in info.value.details()

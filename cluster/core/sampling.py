@@ -80,6 +80,14 @@ class SamplingParams(BaseModel):
                     or self.allowed_token_ids is not None)
 
     @property
+    def vllm_refused_fields(self) -> list[str]:
+        """The set processor fields the vLLM backend does not serve: vLLM refuses `min_p` and `logit_bias`
+        with speculative decoding (`SamplingParams._validate_spec_decode`), and tandem does not hand it
+        pre-tokenized `bad_words` yet. The torch backend serves all three."""
+        return [name for name, on in (("min_p", self.min_p > 0.0), ("logit_bias", bool(self.logit_bias)),
+                                      ("bad_words", bool(self.bad_words))) if on]
+
+    @property
     def uses_processor_fields(self) -> bool:
         """Whether any field of the processors is set (min_p and stop_token_ids included)."""
         return self.processes_logits or self.min_p > 0.0 or bool(self.stop_token_ids)

@@ -71,12 +71,18 @@ def to_vllm_params(params: SamplingParams, **extra):
     """vLLM's SamplingParams for ours; `extra` (e.g. output_kind) goes through as it is."""
     from vllm import SamplingParams as VParams
 
-    if params.uses_processor_fields:  # never dropped silently (the ingress refuses them first)
-        raise InvalidRequestError("penalties, min_p, logit_bias, min_tokens, stop_token_ids, bad_words and "
-                                  "allowed_token_ids are not served on the vLLM backend; the torch backend serves them")
+    refused = params.vllm_refused_fields
+    if refused:  # never dropped silently (the ingress refuses them first)
+        raise InvalidRequestError(f"{', '.join(refused)}: not served on the vLLM backend (vLLM refuses min_p and "
+                                  "logit_bias with speculative decoding); the torch backend serves them")
+    # vLLM applies these to the target's logits at every draft position (rejection_sampler.py); tandem's
+    # drafts reach it as one-hot proposals, so any draft stays lossless
     return VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                    top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
-                   ignore_eos=params.ignore_eos, **extra)
+                   ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
+                   frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+                   min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids) or None,
+                   allowed_token_ids=params.allowed_token_ids, **extra)
 
 
 class VLLMEngine:

@@ -7,7 +7,7 @@ deployment; this replica tokenizes, applies the chat template, and formats resul
 """
 
 
-import json
+import asyncio
 import logging
 import secrets
 import time
@@ -34,11 +34,11 @@ from deployments.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
-    StreamOptions,
     error_response,
     parse_request,
     read_body,
 )
+from deployments.openai_choices import choice_params, collect, merge, sse
 from deployments.openai_responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -87,17 +87,6 @@ async def _chain(first: Chunk, rest):
         await rest.aclose()
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _speculation(stats: dict) -> dict:
-    """The extension field: speculation figures of this request, in the project's vocabulary."""
-    return {key: stats[key] for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted_length", "rounds",
-                                        "accepted_per_position", "drafted_per_position", "gamma_counts")}
-
-
 # ---- the ingress deployment -----------------------------------------------------------------------
 
 
@@ -137,10 +126,10 @@ class Ingress:
             raise InvalidRequestError(f"max_tokens: {max_tokens} exceeds this server's limit of {limit}")
         params = SamplingParams.build(max_tokens=max_tokens, **fields)
         validate_request(prompt_ids, params, self.context_limit, self.tokenizer, self.vocab_size)
-        if self.config.engine.backend == "vllm" and params.uses_processor_fields:
-            raise InvalidRequestError("penalties, min_p, logit_bias, min_tokens, stop_token_ids, bad_words and "
-                                      "allowed_token_ids are not served on the vLLM backend (engine.backend: vllm); "
-                                      "the torch backend serves them")
+        if self.config.engine.backend == "vllm" and params.vllm_refused_fields:
+            raise InvalidRequestError(f"{', '.join(params.vllm_refused_fields)}: not served on the vLLM backend "
+                                      "(engine.backend: vllm; vLLM refuses min_p and logit_bias with speculative "
+                                      "decoding); the torch backend serves them")
         return params.with_seed()  # fixed here: a resumed session (failover) draws the same numbers
 
     def _http_params(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
@@ -216,84 +205,25 @@ class Ingress:
             return e.response()
         except InvalidRequestError as e:
             return error_response(400, str(e))
-        chunks = self._run(prompt_ids, params, body.num_speculative_tokens)
-        first = await anext(chunks)  # a refusal (queue full, ...) still gets its status code, not a 200 stream
-        if isinstance(first, ErrorChunk):
-            await chunks.aclose()
-            return self._error(first)
-        chunks = _chain(first, chunks)
+        streams = [self._run(prompt_ids, choice_params(params, i), body.num_speculative_tokens)
+                   for i in range(body.n)]
+        firsts = await asyncio.gather(*(anext(s) for s in streams))
+        refused = next((c for c in firsts if isinstance(c, ErrorChunk)), None)
+        if refused is not None:  # a refusal (queue full, ...) still gets its status code, not a 200 stream
+            await asyncio.gather(*(s.aclose() for s in streams))
+            return self._error(refused)
+        chunks = merge([_chain(first, s) for first, s in zip(firsts, streams)])
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            return StreamingResponse(self._sse(chunks, kind, request_id, body.model, body.usage_options(),
-                                               len(prompt_ids), body.return_token_ids),
+            return StreamingResponse(sse(chunks, body.n, kind, request_id, body.model, body.usage_options(),
+                                         len(prompt_ids), body.return_token_ids),
                                      media_type="text/event-stream")
-        text, token_ids, final = "", [], None
-        async for chunk in chunks:
-            match chunk:
-                case ErrorChunk():
-                    return self._error(chunk)
-                case TokensChunk():
-                    text += chunk.text
-                    token_ids += chunk.token_ids
-                case FinishChunk():
-                    text += chunk.text
-                    final = chunk
-        choice = {"index": 0, "finish_reason": final.finish_reason, "logprobs": None}
-        if body.return_token_ids:
-            choice["token_ids"] = token_ids
-        if kind == "completion":
-            choice["text"] = text
-        else:
-            choice["message"] = {"role": "assistant", "content": text}
-        return {"id": request_id, "object": "text_completion" if kind == "completion" else "chat.completion",
-                "created": int(time.time()), "model": body.model, "choices": [choice],
-                "usage": _usage(final.prompt_tokens, final.completion_tokens), "speculation": _speculation(final.stats)}
-
-    async def _sse(self, chunks, kind: str, request_id: str, model: str, usage: StreamOptions,
-                   prompt_tokens: int, return_token_ids: bool):
-        """Server-sent events; with `usage.continuous_usage_stats` every chunk carries the usage so far."""
-        created = int(time.time())
-        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-        completion_tokens = 0
-
-        def event(choices: list, **extra) -> str:
-            if usage.continuous_usage_stats:
-                extra = {"usage": _usage(prompt_tokens, completion_tokens), **extra}
-            return "data: " + json.dumps({"id": request_id, "object": obj, "created": created, "model": model,
-                                          "choices": choices, **extra}) + "\n\n"
-
-        def choice(text: str | None, finish: str | None, first: bool = False, token_ids=()) -> dict:
-            if kind == "completion":
-                out = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            else:
-                delta = {} if text is None else {"content": text}
-                if first:
-                    delta["role"] = "assistant"
-                out = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            if return_token_ids:
-                out["token_ids"] = list(token_ids)
-            return out
-
-        if kind == "chat":
-            yield event([choice("", None, first=True)])
-        async for chunk in chunks:
-            match chunk:
-                case ErrorChunk():
-                    error = {"message": chunk.message, "type": chunk.type, "param": None, "code": None}
-                    yield "data: " + json.dumps({"error": error}) + "\n\n"
-                    break
-                case TokensChunk():
-                    completion_tokens += len(chunk.token_ids)
-                    if chunk.text or (return_token_ids and chunk.token_ids):
-                        yield event([choice(chunk.text, None, token_ids=chunk.token_ids)])
-                case FinishChunk():
-                    if chunk.text:
-                        yield event([choice(chunk.text, None)])
-                    extra = {"speculation": _speculation(chunk.stats)}
-                    yield event([choice(None if kind == "chat" else "", chunk.finish_reason)], **extra)
-                    if usage.include_usage:
-                        yield event([], usage=_usage(chunk.prompt_tokens, chunk.completion_tokens))
-        yield "data: [DONE]\n\n"
+        try:
+            result = await collect(chunks, body.n, kind, request_id, body.model, len(prompt_ids),
+                                   body.return_token_ids)
+        finally:
+            await chunks.aclose()
+        return self._error(result) if isinstance(result, ErrorChunk) else result
 
     # -- gRPC (Generation service through Serve's gRPC proxy) ----------------------------------------
 

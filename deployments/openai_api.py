@@ -30,6 +30,7 @@ MIN_POSITIVE_FLOAT = 1e-6  # smallest positive temperature or top_p (protobuf's 
 NOT_SERVED = "Not supported: "  # the description prefix of fields accepted only at their default
 MAX_STOP = 16  # stop strings per request (cluster.core.sampling.SamplingParams)
 MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids (cluster.core.sampling.MAX_TOKEN_LIST)
+MAX_N = 16  # choices per request (n, best_of)
 MAX_BAD_WORDS = 64  # bad_words strings (each may tokenize two ways: at most SamplingParams' 128 sequences)
 
 # Exact schemas of the fields whose before-validators give their own messages (a pydantic union would
@@ -240,7 +241,7 @@ class _Common(_Lenient):
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
     num_speculative_tokens: int | None = Field(None, ge=0, le=32, description="Extension: cap on γ (draft length) for this request; 0 is plain decoding.")
     return_token_ids: bool = Field(False, description="Extension: each choice also carries the generated token ids.")
-    n: int = not_served(1, "one completion per request (n = 1); send n requests instead", ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N}): choice i is its own session with seed + i; usage counts the prompt once.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token already in the output (-2 .. 2).")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per occurrence in the output (-2 .. 2).")
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description="Extension (vLLM): a token of the prompt or output has its logit divided by this when positive, multiplied when negative; 1 is off.")
@@ -316,7 +317,15 @@ class CompletionRequest(_Common):
     prompt: Annotated[str | list[int], WithJsonSchema(_PROMPT_SCHEMA)] = Field(description="A string, a list of one string, or token ids (each below the vocabulary size).")
     logprobs: None = not_served(None, "log probabilities are not returned")
     echo: Literal[False] = not_served(False, "the prompt is not echoed")
-    best_of: int | None = not_served(None, "one candidate per request (best_of = 1)", ge=1, le=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Served where it equals n (or is unset): ranking more candidates needs log probabilities.")
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, f"best_of: not supported by this server: best_of ({self.best_of}) must equal n "
+                                f"({self.n}); ranking candidates by log probability is not served",
+                           param="best_of", code="unsupported_parameter")
+        return self
     suffix: str | None = not_served(None, "insertion (suffix); only an empty one is served", max_length=0)
 
     @field_validator("prompt", mode="before")

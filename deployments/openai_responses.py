@@ -41,7 +41,7 @@ class Speculation(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    index: int = Field(description="Always 0.")
+    index: int = Field(description="The choice (0 .. n-1).")
     text: str = Field(description="The generated text.")
     finish_reason: FinishReason = Field(description=FINISH)
     logprobs: None = Field(None, description="Always null.")
@@ -64,7 +64,7 @@ class AssistantMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
-    index: int = Field(description="Always 0.")
+    index: int = Field(description="The choice (0 .. n-1).")
     message: AssistantMessage
     finish_reason: FinishReason = Field(description=FINISH)
     logprobs: None = Field(None, description="Always null.")
@@ -102,7 +102,7 @@ class Health(BaseModel):
 
 
 class CompletionChunkChoice(BaseModel):
-    index: int = Field(description="Always 0.")
+    index: int = Field(description="The choice (0 .. n-1).")
     text: str = Field(description="New text since the previous chunk.")
     finish_reason: FinishReason | None = Field(description=f"Set on the last chunk: {FINISH}")
     logprobs: None = Field(None, description="Always null.")
@@ -125,7 +125,7 @@ class Delta(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
-    index: int = Field(description="Always 0.")
+    index: int = Field(description="The choice (0 .. n-1).")
     delta: Delta
     finish_reason: FinishReason | None = Field(description=f"Set on the last chunk: {FINISH}")
     logprobs: None = Field(None, description="Always null.")

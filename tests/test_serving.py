@@ -127,6 +127,35 @@ def test_plain_decoding_per_request_equal(client, prompt_ids, references):
     assert r.model_extra["speculation"]["drafted"] == 0
 
 
+def test_n_choices(client, tokenizer, prompt_ids, references):
+    """n greedy choices are n copies of the reference (each its own session); n sampled choices with a
+    seed are choice i of seed s = choice 0 of seed s + i, and differ; usage counts the prompt once."""
+    ref = _ref(references, prompt_ids, 1)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1][0], max_tokens=MAX_TOKENS, temperature=0, n=3,
+                                  extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.model_extra["token_ids"] == ref for c in r.choices)
+    assert r.usage.prompt_tokens == len(prompt_ids[1]) and r.usage.completion_tokens == 3 * len(ref)
+    assert r.model_extra["speculation"]["drafted"] > 0
+
+    def sampled(seed: int, n: int, stream: bool) -> list[str]:
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[3][0]}],
+                                             max_tokens=8, temperature=1.0, seed=seed, n=n, stream=stream,
+                                             **({"stream_options": {"include_usage": True}} if stream else {}))
+        if not stream:
+            return [c.message.content for c in sorted(out.choices, key=lambda c: c.index)]
+        texts, usage = [""] * n, None
+        for chunk in out:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+        assert usage.completion_tokens >= n and usage.prompt_tokens == len(prompt_ids[3])
+        return texts
+
+    four = sampled(11, 4, stream=True)
+    assert len(set(four)) > 1, four  # independent samples, not one sample four times
+    assert sampled(11, 2, stream=False) == four[:2] and sampled(13, 1, stream=False) == four[2:3]
+
+
 def test_sixteen_concurrent_streams(client, tokenizer, prompt_ids, references):
     def one(i: int) -> tuple[int, str]:
         j = i % len(PROMPTS)
@@ -154,7 +183,7 @@ BAD_REQUESTS = [
     (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 100000}).encode(), 400, "context length"),
     (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 17}).encode(), 400, "n"),
     (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 3}).encode(), 400, "logprobs"),
     (json.dumps({"model": MODEL, "prompt": "hi", "stop": [""]}).encode(), 400, "stop"),
     (json.dumps({"model": MODEL, "prompt": "hi " * 9000}).encode(), 400, "context length"),

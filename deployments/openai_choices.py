@@ -1,0 +1,183 @@
+"""The HTTP answer to one request of `n` choices: each choice is one session's stream of chunks
+(`deployments/chunks.py`); here they become one JSON body or one stream of server-sent events.
+
+Choice i is a session of its own with seed `seed + i` (vLLM's `n`: each child request gets the parent's
+seed plus its index), so `n` greedy choices are the same text and `n` sampled ones are independent
+samples of the target's distribution. Usage counts the prompt once and the completion tokens of every
+choice (OpenAI's and vLLM's `n`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from cluster.core.sampling import SamplingParams
+from deployments.chunks import Chunk, ErrorChunk, FinishChunk, TokensChunk
+from deployments.openai_api import StreamOptions
+
+Kind = Literal["completion", "chat"]
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s params: the request's (seeded already) with seed + index; choice 0 is the request."""
+    if index == 0:
+        return params
+    return params.model_copy(update={"seed": (params.seed + index) % 2**63})
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculation(stats: dict) -> dict:
+    """The extension field: speculation figures of one session, in the project's vocabulary."""
+    return {key: stats[key] for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted_length", "rounds",
+                                        "accepted_per_position", "drafted_per_position", "gamma_counts")}
+
+
+def total_speculation(finals: list[FinishChunk]) -> dict:
+    """One choice: its figures; several: drafted, accepted and rounds summed, the rates over the sums."""
+    if len(finals) == 1:
+        return speculation(finals[0].stats)
+    drafted = sum(f.stats["drafted"] for f in finals)
+    accepted = sum(f.stats["accepted"] for f in finals)
+    rounds = sum(f.stats["rounds"] for f in finals)
+    def summed(key: str) -> list[int]:  # per position (or per γ) lists of any lengths, added up
+        width = max(len(f.stats[key]) for f in finals)
+        return [sum(f.stats[key][i] for f in finals if i < len(f.stats[key])) for i in range(width)]
+
+    return {"drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": sum(f.completion_tokens for f in finals) / rounds if rounds else 0.0,
+            "rounds": rounds,
+            "accepted_per_position": summed("accepted_per_position"),
+            "drafted_per_position": summed("drafted_per_position"), "gamma_counts": summed("gamma_counts")}
+
+
+async def merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(choice index, chunk) from every stream as they come; closing this closes them all."""
+    if len(streams) == 1:
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((i, chunk))
+        except Exception as e:  # noqa: BLE001 - reported as this choice's error, the others go on
+            await queue.put((i, ErrorChunk("server_error", f"generation failed: {e!r}")))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, chunk = await queue.get()
+            if chunk is done:
+                left -= 1
+            else:
+                yield i, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+def _choice(kind: Kind, index: int, text: str, finish: str | None, token_ids: list[int] | None) -> dict:
+    out: dict = {"index": index, "finish_reason": finish, "logprobs": None}
+    if token_ids is not None:
+        out["token_ids"] = token_ids
+    if kind == "completion":
+        out["text"] = text
+    else:
+        out["message"] = {"role": "assistant", "content": text}
+    return out
+
+
+async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
+                  prompt_tokens: int, return_token_ids: bool) -> dict | ErrorChunk:
+    """The non-streamed body of n choices, or the first error (the other choices are then stopped)."""
+    texts, ids = [""] * n, [[] for _ in range(n)]
+    finals: list[FinishChunk | None] = [None] * n
+    async for i, chunk in chunks:
+        match chunk:
+            case ErrorChunk():
+                return chunk
+            case TokensChunk():
+                texts[i] += chunk.text
+                ids[i] += chunk.token_ids
+            case FinishChunk():
+                texts[i] += chunk.text
+                finals[i] = chunk
+    choices = [_choice(kind, i, texts[i], finals[i].finish_reason, ids[i] if return_token_ids else None)
+               for i in range(n)]
+    return {"id": request_id, "object": "text_completion" if kind == "completion" else "chat.completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage(prompt_tokens, sum(f.completion_tokens for f in finals)),
+            "speculation": total_speculation(finals)}
+
+
+async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
+              options: StreamOptions, prompt_tokens: int, return_token_ids: bool) -> AsyncIterator[str]:
+    """Server-sent events of n choices (each event carries one choice, by index); with
+    `options.continuous_usage_stats` every event carries the usage so far, with `include_usage` a last
+    event carries the whole request's."""
+    created = int(time.time())
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    completion_tokens = 0
+
+    def event(choices: list, **extra) -> str:
+        if options.continuous_usage_stats:
+            extra = {"usage": usage(prompt_tokens, completion_tokens), **extra}
+        return "data: " + json.dumps({"id": request_id, "object": obj, "created": created, "model": model,
+                                      "choices": choices, **extra}) + "\n\n"
+
+    def choice(i: int, text: str | None, finish: str | None, first: bool = False, token_ids=()) -> dict:
+        if kind == "completion":
+            out = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+        else:
+            delta = {} if text is None else {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            out = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+        if return_token_ids:
+            out["token_ids"] = list(token_ids)
+        return out
+
+    if kind == "chat":
+        for i in range(n):
+            yield event([choice(i, "", None, first=True)])
+    finals = []
+    async for i, chunk in chunks:
+        match chunk:
+            case ErrorChunk():
+                error = {"message": chunk.message, "type": chunk.type, "param": None, "code": None}
+                yield "data: " + json.dumps({"error": error}) + "\n\n"
+                break
+            case TokensChunk():
+                completion_tokens += len(chunk.token_ids)
+                if chunk.text or (return_token_ids and chunk.token_ids):
+                    yield event([choice(i, chunk.text, None, token_ids=chunk.token_ids)])
+            case FinishChunk():
+                finals.append(chunk)
+                if chunk.text:
+                    yield event([choice(i, chunk.text, None)])
+                yield event([choice(i, None if kind == "chat" else "", chunk.finish_reason)],
+                            speculation=speculation(chunk.stats))
+    else:
+        if options.include_usage:
+            yield event([], usage=usage(prompt_tokens, sum(f.completion_tokens for f in finals)))
+    yield "data: [DONE]\n\n"

@@ -258,7 +258,7 @@ def test_tensor_parallel_3_on_fake_gpus_and_a_lost_rank(ray_local, prompt_ids, r
         assert drafter_table["bundles"][0] == {"CPU": 1.0, "GPU": 0.25, "draft_gpu": 1.0}
         nodes = {ray.get(a.node_id.remote()) for a in cluster.replicas[0].ranks}
         assert len(nodes) == 1
-        _check_all(cluster, prompt_ids[:2] + prompt_ids[6:7], references)
+        _check_all(cluster, prompt_ids[6:7], references)  # the other tests cover more prompts; this one, the layout
 
         # a follower rank dies mid-generation: the group is rebuilt and the session replayed onto it
         replica = cluster.replicas[0]

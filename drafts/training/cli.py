@@ -54,6 +54,8 @@ def add_drafts_parser(sub) -> None:
     dist.add_argument("--unroll", type=int, help="feature: passes per batch, each later one feeding the draft's own "
                                                  "predicted features at half the positions (default 1)")
     dist.add_argument("--init-from", help="feature: start from this exported feature draft (trained on the same data)")
+    dist.add_argument("--precision", choices=("auto", "bf16", "fp32"),
+                      help="feature: matmul precision (default auto: the faster of the two, timed here)")
     dist.add_argument("--code-dir", action="append", default=[],
                       help="feature: more Python sources for the corpus (repeatable; e.g. a site-packages folder)")
     dist.add_argument("--cache-dir")
@@ -89,7 +91,7 @@ def run_drafts(args) -> int:
             if args.self_speculative or args.vocab_size <= 0:
                 raise ConfigError("--kind feature takes neither --self-speculative nor --vocab-size 0")
             config = FeatureDistillConfig(**shared, **given("epochs", "feature_weight", "feature_noise", "eval_every",
-                                                            "unroll", "init_from"),
+                                                            "unroll", "init_from", "precision"),
                                           max_minutes=args.max_minutes, vocab_size=args.vocab_size, seed=args.seed,
                                           seq_len=args.seq_len, batch_size=args.batch_size,
                                           code_dirs=tuple(args.code_dir))
@@ -97,7 +99,8 @@ def run_drafts(args) -> int:
             target = models.load_causal_lm(target_path, "bfloat16", "cpu")
             print(json.dumps(distill_feature(target, tokenizer, args.out, config, held_out), indent=1))
             return 0
-        feature_only = given("epochs", "feature_weight", "feature_noise", "eval_every", "unroll", "init_from")
+        feature_only = given("epochs", "feature_weight", "feature_noise", "eval_every", "unroll", "init_from",
+                             "precision")
         if args.code_dir:
             feature_only["code_dir"] = args.code_dir
         if feature_only:

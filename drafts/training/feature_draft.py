@@ -17,6 +17,7 @@ prompts, appended to `learning_curve.jsonl`, and a checkpoint is written; rerunn
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -63,6 +64,8 @@ class FeatureDistillConfig:
     unroll: int = 1  # passes per batch: pass k feeds, at a random `unroll_fraction` of positions, the draft's
     unroll_fraction: float = 0.5  # own prediction of the input feature from pass k-1 (drafting from its own)
     init_from: str = ""  # an exported feature draft (same data, so the same vocabulary) to start from
+    precision: str = "auto"  # matmuls: "bf16" (autocast, fp32 weights), "fp32", or "auto": the faster of the
+    #   two, timed on this machine at the start of each run (bf16 backward was 20x slower than fp32 on one CPU)
 
 
 def _windows(target, tokenizer, config, cache: Path, held_out, texts) -> tuple[torch.Tensor, dict]:
@@ -203,7 +206,7 @@ def cost_ratio(target, draft: FeatureDraft, ids: list[int], repeats: int = 20) -
 
 def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, held_out=frozenset(),
                     texts: tuple[list[str], list[str]] | None = None) -> dict:
-    """Train (or resume) a feature-fed draft into `out_dir` (bf16 autocast, fp32 weights); returns (and
+    """Train (or resume) a feature-fed draft into `out_dir` (fp32 weights; matmuls in `config.precision`); returns (and
     writes) its tandem_draft.json.
     `texts` (code, prose) replaces the standard library, for tests."""
     started = time.time()
@@ -228,6 +231,7 @@ def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, he
     params = [p for p in draft.parameters() if p.requires_grad]
     B, per_epoch = config.batch_size, len(windows) // config.batch_size
     tokens_per_step = B * config.seq_len
+    amp = _autocast(config.precision)
 
     def loss_at(step):  # (loss, reg, ce) for the batch of `step`; epoch order and noise keyed by the step
         epoch, i = divmod(step, per_epoch)
@@ -237,7 +241,7 @@ def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, he
         noise = torch.randn(f[:, :-1].shape, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + step))
         gen = torch.Generator().manual_seed(config.seed * 7_000_003 + step)
         inputs = f[:, :-1] + config.feature_noise * noise  # [B, T-1, H]: f_t
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 weights, bf16 matmuls: ~3x faster here
+        with amp():
             p = torch.softmax(draft.logits(f[:, 1:]).float(), -1)  # the target's distribution, on the head
         reg = ce = 0.0
         fh = inputs
@@ -246,7 +250,7 @@ def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, he
                 own = torch.cat([inputs[:, :1], fh[:, :-1]], 1)
                 pick = torch.rand(inputs.shape[:2], generator=gen)[..., None] < config.unroll_fraction
                 inputs = torch.where(pick, own.float(), inputs)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with amp():
                 fh, _ = draft(inputs, ids[:, 1:])  # [B, T-1, H]: f̂_{t+1}
                 draft_logits = draft.logits(fh)  # [B, T-1, K]
             log_q = torch.log_softmax(draft_logits.float(), -1)
@@ -254,6 +258,17 @@ def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, he
             ce = ce + -(p * log_q).sum(-1).mean() / config.unroll
         return config.feature_weight * reg + ce, reg, ce
 
+    if config.precision == "auto":  # the faster of bf16 autocast and fp32 for one step here (numbers only differ)
+        timed = {}
+        for name in ("bf16", "fp32"):
+            amp = _autocast(name)
+            t0 = time.perf_counter()
+            loss_at(0)[0].backward()
+            timed[name] = time.perf_counter() - t0
+        draft.zero_grad(set_to_none=True)
+        amp = _autocast(min(timed, key=timed.get))
+        log.info("precision: %s (one step: bf16 %.2fs, fp32 %.2fs)", min(timed, key=timed.get), timed["bf16"],
+                 timed["fp32"])
     ckpt = out / CHECKPOINT
     state = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
     if state is not None:
@@ -314,6 +329,15 @@ def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, he
         last = json.loads((out / CURVE).read_text().splitlines()[-1])
     return _export(target, draft, out, config, data, step, total_steps, per_epoch, last,
                    cost_ratio(target, draft, sets["humaneval"][0][1]))
+
+
+def _autocast(precision: str):
+    """A context-manager factory: bf16 autocast (fp32 weights, bf16 matmuls) or nothing (fp32)."""
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"precision must be auto, bf16 or fp32, not {precision!r}")
+    if precision == "bf16":
+        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext
 
 
 def _record(out: Path, step, per_epoch, tokens_per_step, minutes, scores: dict, loss) -> dict:

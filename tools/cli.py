@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--peer-repeats", type=int, default=2, help="with --peer: batches per server at N streams")
     bench.add_argument("--peer-port", type=int, default=8100, help="with --peer: first port (each server +10)")
     bench.add_argument("--peer-logs", default=".", help="with --peer: folder for the servers' logs")
+    bench.add_argument("--peer-vllm-bind", default="auto",
+                       help="with --peer: VLLM_CPU_OMP_THREADS_BIND for every vLLM engine of the run (vLLM alone "
+                            "and tandem's vLLM replicas alike); vLLM's auto binds one thread per core and "
+                            "reserves one core per rank for its scheduler")
     bench.add_argument("--engine", choices=["torch", "vllm"], default="torch",
                        help="vllm: vLLM target-only vs vLLM + tandem's drafter (overlapped: a miss costs a plain "
                             "step or waits for the redraft; synchronous) vs "
@@ -78,7 +82,7 @@ def _peer(args) -> int:
     dtype = args.dtype
     model_dir = str(models.resolve_model_path("default", args.cache_dir))
     procs, servers = start_servers(model_dir, args.peer_config, dtype, 2048, args.peer_port, args.peer_logs,
-                                   tuple(args.peer_servers.split(",")))
+                                   tuple(args.peer_servers.split(",")), vllm_bind=args.peer_vllm_bind)
     try:
         report = compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
                          reference=servers[0].name)
@@ -86,8 +90,9 @@ def _peer(args) -> int:
         for proc in procs:
             proc.stop()
     report.update(dtype=dtype, prompts=args.prompts, cpus=os.cpu_count(),
-                  given={"vllm": "the whole machine (its own OMP threads), VLLM_CPU_KVCACHE_SPACE GiB of KV",
-                         "tandem": f"{args.peer_config} as it is"})
+                  given={"vllm": f"VLLM_CPU_OMP_THREADS_BIND={args.peer_vllm_bind} (also on tandem's vLLM "
+                                 f"replicas), VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')} GiB",
+                         "tandem": f"{args.peer_config} as it is (its `threads` for the torch engine)"})
     print(format_peer_report(report))
     if args.json:
         write_json(report, args.json)

@@ -216,11 +216,12 @@ def tandem_argv(config: str, port: int, grpc_port: int, engine: str | None = Non
 
 
 def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, base_port: int, log_dir: str,
-                  which: tuple[str, ...]) -> tuple[list[Process], list[Server]]:
+                  which: tuple[str, ...], vllm_bind: str = "auto") -> tuple[list[Process], list[Server]]:
     """Start the servers `which` names (vllm, vllm_ngram, tandem, tandem_vllm): their processes, and the
     sides of the comparison (each tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
     env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false"}
+           "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_CPU_OMP_THREADS_BIND": vllm_bind}  # every vLLM engine alike (tandem's Ray workers inherit it)
     procs, servers = [], []
     try:
         for i, name in enumerate(which):

@@ -7,7 +7,6 @@ deployment; this replica tokenizes, applies the chat template, and formats resul
 """
 
 
-import asyncio
 import logging
 import secrets
 import time
@@ -26,7 +25,7 @@ from cluster.core.sampling import SamplingParams
 from cluster.model import models
 from cluster.session.speculate import validate_request
 from cluster.wire.codec import processor_fields_from_pb
-from deployments.chunks import Chunk, ErrorChunk, FinishChunk, TokensChunk
+from deployments.chunks import ErrorChunk, FinishChunk, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.failover import FailoverMetrics, resumable_stream
 from deployments.openai_api import (
@@ -38,7 +37,7 @@ from deployments.openai_api import (
     parse_request,
     read_body,
 )
-from deployments.openai_choices import choice_params, collect, merge, sse
+from deployments.openai_choices import choice_params, collect, open_choices, sse
 from deployments.openai_responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -75,16 +74,6 @@ async def _on_http_error(request: Request, e: StarletteHTTPException):
 async def _on_server_error(request: Request, e: Exception):
     """A bug, not the client's fault: still an OpenAI-style body (Starlette logs the traceback)."""
     return error_response(500, f"internal error: {type(e).__name__}", type_="server_error")
-
-
-async def _chain(first: Chunk, rest):
-    """`first`, then the rest of the stream (closing it when the caller stops early)."""
-    try:
-        yield first
-        async for chunk in rest:
-            yield chunk
-    finally:
-        await rest.aclose()
 
 
 # ---- the ingress deployment -----------------------------------------------------------------------
@@ -207,12 +196,9 @@ class Ingress:
             return error_response(400, str(e))
         streams = [self._run(prompt_ids, choice_params(params, i), body.num_speculative_tokens)
                    for i in range(body.n)]
-        firsts = await asyncio.gather(*(anext(s) for s in streams))
-        refused = next((c for c in firsts if isinstance(c, ErrorChunk)), None)
+        refused, chunks = await open_choices(streams)
         if refused is not None:  # a refusal (queue full, ...) still gets its status code, not a 200 stream
-            await asyncio.gather(*(s.aclose() for s in streams))
             return self._error(refused)
-        chunks = merge([_chain(first, s) for first, s in zip(firsts, streams)])
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             return StreamingResponse(sse(chunks, body.n, kind, request_id, body.model, body.usage_options(),

@@ -58,8 +58,53 @@ def total_speculation(finals: list[FinishChunk]) -> dict:
             "drafted_per_position": summed("drafted_per_position"), "gamma_counts": summed("gamma_counts")}
 
 
+async def open_choices(streams: list[AsyncIterator[Chunk]]) -> tuple[ErrorChunk | None, AsyncIterator | None]:
+    """(the refusal, None) when a choice's first chunk is an error (all choices are then closed), else
+    (None, its (choice index, chunk) pairs). Each stream is iterated from its first chunk to its last by
+    one task (the caller's for one choice, one task per choice for several): a stream's deadline
+    (`asyncio.timeout` in `resumable_stream`) cancels the task that entered it."""
+    if len(streams) == 1:
+        first = await anext(streams[0])
+        if isinstance(first, ErrorChunk):
+            await streams[0].aclose()
+            return first, None
+        return None, merge([_chain(first, streams[0])])
+    merged = merge(streams)
+    buffered: list[tuple[int, Chunk]] = []
+    started: set[int] = set()
+    while len(started) < len(streams):
+        i, chunk = await anext(merged)
+        if i not in started and isinstance(chunk, ErrorChunk):  # refused before anything was sent
+            await merged.aclose()
+            return chunk, None
+        started.add(i)
+        buffered.append((i, chunk))
+    return None, _replay(buffered, merged)
+
+
+async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """`first`, then the rest of the stream (closing it when the caller stops early)."""
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
+
+
+async def _replay(items: list, rest: AsyncIterator) -> AsyncIterator:
+    try:
+        for item in items:
+            yield item
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
 async def merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
-    """(choice index, chunk) from every stream as they come; closing this closes them all."""
+    """(choice index, chunk) from every stream as they come; closing this closes them all. One stream
+    is iterated by the caller's task, several by a task each."""
     if len(streams) == 1:
         try:
             async for chunk in streams[0]:

@@ -24,6 +24,7 @@ parallelism inside the replica's placement group (on GPUs through Ray; on CPU vL
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -178,8 +179,8 @@ class TandemLLMServer(_server_base()):
             if started is not None:  # released after it started (a threaded actor may reorder the two calls)
                 try:
                     await started
-                except Exception:  # noqa: BLE001 - a dead drafter holds nothing
-                    pass
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - a dead drafter holds nothing; a
+                    pass  # disconnect's cancellation may reach this wait too: the release must still be sent
                 self.drafter.release.remote(session)
 
     async def _record_proposer(self) -> None:

@@ -68,7 +68,7 @@ async def open_choices(streams: list[AsyncIterator[Chunk]]) -> tuple[ErrorChunk 
         if isinstance(first, ErrorChunk):
             await streams[0].aclose()
             return first, None
-        return None, merge([_chain(first, streams[0])])
+        return None, merge([_prepend([first], streams[0])])
     merged = merge(streams)
     buffered: list[tuple[int, Chunk]] = []
     started: set[int] = set()
@@ -79,20 +79,11 @@ async def open_choices(streams: list[AsyncIterator[Chunk]]) -> tuple[ErrorChunk 
             return chunk, None
         started.add(i)
         buffered.append((i, chunk))
-    return None, _replay(buffered, merged)
+    return None, _prepend(buffered, merged)
 
 
-async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    """`first`, then the rest of the stream (closing it when the caller stops early)."""
-    try:
-        yield first
-        async for chunk in rest:
-            yield chunk
-    finally:
-        await rest.aclose()
-
-
-async def _replay(items: list, rest: AsyncIterator) -> AsyncIterator:
+async def _prepend(items: list, rest: AsyncIterator) -> AsyncIterator:
+    """`items`, then the rest of the stream (closing it when the caller stops early)."""
     try:
         for item in items:
             yield item

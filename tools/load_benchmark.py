@@ -41,6 +41,8 @@ from pathlib import Path
 
 import yaml
 
+from cluster import TELEMETRY_OFF
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 GUIDELLM_VENV = Path(os.environ.get("GUIDELLM_VENV", "/tmp/gvenv"))
@@ -50,7 +52,7 @@ TOKENIZER = Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "ta
 LOOPBACK = "127.0.0.1"
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
        "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost",
-       "no_proxy": "127.0.0.1,localhost"}
+       "no_proxy": "127.0.0.1,localhost", **TELEMETRY_OFF}
 os.environ.update(ENV)
 
 

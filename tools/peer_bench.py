@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from cluster import TELEMETRY_OFF
+
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}  # vLLM's docs' setting
 PLAIN = {"num_speculative_tokens": 0}  # tandem's plain decoding, on the same server
 
@@ -221,7 +223,7 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
     sides of the comparison (each tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
     env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_CPU_OMP_THREADS_BIND": vllm_bind}  # every vLLM engine alike (tandem's Ray workers inherit it)
+           "VLLM_CPU_OMP_THREADS_BIND": vllm_bind, **TELEMETRY_OFF}  # every vLLM engine alike (tandem's Ray workers inherit it)
     procs, servers = [], []
     try:
         for i, name in enumerate(which):

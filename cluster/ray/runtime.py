@@ -8,6 +8,7 @@ binds loopback only: `init_local_ray` starts Ray on 127.0.0.1, so that is every 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -17,9 +18,11 @@ import uuid
 
 import ray
 from pydantic import ConfigDict, Field, ValidationError, model_validator
+from ray._private import ray_constants
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster import TELEMETRY_OFF
 from cluster.core.config import EngineConfig, PlacementConfig, check_tp_placement
 from cluster.core.errors import ConfigError, validation_message
 from cluster.model import models
@@ -72,12 +75,40 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
     if ray.is_initialized():
         return
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Ray read that variable when it was imported; a process that imported ray before `cluster` would
+    # otherwise put the node on the machine's own address (Ray resolves 127.0.0.1 to it)
+    ray_constants.ENABLE_RAY_CLUSTER = False
     # CPUs are logical here: actors are mostly waiting, and each pins its own torch threads.
-    ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
-             include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    with _environment(LOOPBACK_ONLY_ENV):  # what Ray's processes (started here) inherit
+        ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
+                 include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ONLY_ENV}})
+
+
+# A single-machine Ray's processes reach nothing but loopback. Ray's dashboard asks the cloud metadata
+# services (169.254.169.254, metadata.google.internal) which cloud it runs on whatever the usage-stats
+# setting says (`ray._common.usage.usage_lib.get_cluster_config_to_report`); Python's HTTP clients
+# (requests, urllib, httpx, aiohttp) send anything not on loopback to this proxy instead, a port on
+# loopback where nothing listens, so the attempt fails at once on this machine. gRPC reads only the
+# lower-case variables, so Ray's and tandem's own gRPC are untouched. tests/test_loopback.py watches it.
+REFUSING_PROXY = "http://127.0.0.1:9"
+LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **TELEMETRY_OFF,
+                     "HTTP_PROXY": REFUSING_PROXY, "HTTPS_PROXY": REFUSING_PROXY,
+                     "NO_PROXY": "localhost,127.0.0.1,::1"}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def check_tensor_parallel(tensor_parallel_size: int, kv_heads: int) -> None:

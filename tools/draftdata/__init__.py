@@ -35,3 +35,5 @@ Reading the data back::
         for i in range(len(shard)):
             ids, p = shard.sample(i), int(shard.prompt_len[i])   # answer = ids[p:]
 """
+
+import cluster  # noqa: F401,E402  (loopback-only defaults: vLLM and the hub report nothing)

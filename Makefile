@@ -38,8 +38,9 @@ run: models
 generate: models
 	$(BIN)/tandem generate --chat "$(PROMPT)" --max-tokens 128
 
+TEST_WORKERS ?= 2
 test: models
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: models
 	$(BIN)/python -m tools bench --prompts 8 --max-tokens 128 --json bench-single.json

@@ -14,7 +14,21 @@ from cluster.model import models
 from cluster.model.runner import TorchModelRunner
 from drafts.draft_model import quantized_copy
 
-torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
+# `make test` runs two pytest workers (pytest-xdist, one module per worker at a time) on this 2-core
+# machine: one torch thread each (a decode step is as fast on one thread as on two here).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if _WORKER else "2")))
+
+# The longest modules first (measured: a clean-clone run, --durations), so that two workers finish
+# together instead of one running the last long module alone.
+LONGEST_FIRST = ("test_greedy_equality", "test_distributed", "test_failover", "test_sampling_e2e", "test_vllm",
+                 "test_serving", "test_drafts", "test_hybrid", "test_vllm_serving", "test_bad_input",
+                 "test_feature_draft", "test_fuzz", "test_feature_serving", "test_processors")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import logging
 import torch
 
 from cluster.core.config import INT8_DRAFT, EngineConfig
-from cluster.core.errors import ConfigError
 from cluster.model import models
 from cluster.model.runner import TorchModelRunner
 from drafts.draft_model import DraftModelProposer, quantized_copy
@@ -54,13 +53,11 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module | None, ta
     if config.proposer == "ngram":
         return NGramProposer(max_ngram=config.max_ngram)
     if is_feature_draft(config.draft):  # EAGLE-style: reads the target's features, sent by the verifier
-        model = FeatureProposer(load_feature_draft(target_model, feature_draft_dir(config.draft)))
+        model = FeatureProposer(load_feature_draft(target_model, feature_draft_dir(config.draft)),
+                                tree_width=config.tree_width, tree_tokens=config.tree_tokens)
         if config.proposer == "hybrid":
             return HybridProposer(model, max_ngram=config.max_ngram, cost_ratio=FEATURE_DRAFT_COST_RATIO,
                                   tree_width=config.tree_width, match_tokens=config.match_tokens)
-        if config.tree_width > 1:
-            raise ConfigError("a feature-fed draft drafts chains: tree_width must be 1 (or use proposer hybrid, "
-                              "whose match rounds may be trees)")
         return model
     if config.draft == INT8_DRAFT:
         draft_model = quantized_copy(target_model)

@@ -44,10 +44,12 @@ class FeatureDraft(nn.Module):
         self.register_buffer("embed", weight.clone(), persistent=False)  # [V, H]
         self.register_buffer("head", target.lm_head.weight.detach().float()[vocab].clone(), persistent=False)  # [K, H]
 
-    def forward(self, feats, next_ids, past=None, pos=None):
-        """feats [B, T, H] (f_t), next_ids [B, T] (x_{t+1}) -> (f̂ [B, T, H], KV cache)."""
+    def forward(self, feats, next_ids, past=None, pos=None, mask=None):
+        """feats [B, T, H] (f_t), next_ids [B, T] (x_{t+1}) -> (f̂ [B, T, H], KV cache). `mask`: a custom
+        additive attention mask [B, 1, T, cached + T] (a token tree's), else causal."""
         x = self.fc(torch.cat([feats, F.embedding(next_ids, self.embed).to(feats.dtype)], -1))  # [B, T, H]
-        out = self.body(inputs_embeds=x, past_key_values=past, use_cache=past is not None, position_ids=pos)
+        out = self.body(inputs_embeds=x, past_key_values=past, use_cache=past is not None, position_ids=pos,
+                        attention_mask=mask)
         return out.last_hidden_state, out.past_key_values
 
     def logits(self, feats):

@@ -25,6 +25,8 @@ import torch
 
 from cluster.core.processors import process_sequence
 from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
+from cluster.core.tree import first_chain
+from drafts.dynamic_tree import ROOT, Candidate, frontier, select_tree
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 
 FEATURE_DRAFT = "feature"  # engine.draft shorthand: the feature-fed draft shipped in drafts/trained
@@ -57,12 +59,14 @@ class _State:
 class FeatureProposer(SequenceProposer):
     name = "feature"
     needs_features = True  # the verifier sends the target's last hidden state of committed positions
-    tree_width = 1
 
-    def __init__(self, draft, max_support: int | None = None):
+    def __init__(self, draft, max_support: int | None = None, tree_width: int = 1, tree_tokens: int = 16):
         """`draft`: a loaded `FeatureDraft` (`drafts.training.feature_draft.load_feature_draft`). `max_support`: sample
-        from the draft's `max_support` most likely tokens (renormalised), so q crosses the wire compactly."""
+        from the draft's `max_support` most likely tokens (renormalised), so q crosses the wire compactly.
+        `tree_width` > 1: sequential rounds are EAGLE-2 dynamic trees (`_propose_tree`) of at most
+        `tree_tokens` nodes."""
         super().__init__()
+        self.tree_width, self.tree_tokens = tree_width, tree_tokens
         self.draft = draft.eval()
         self.hidden_size = int(draft.embed.shape[1])
         self.vocab_size = int(draft.embed.shape[0])  # the target's vocabulary
@@ -150,16 +154,103 @@ class FeatureProposer(SequenceProposer):
 
     def propose_batch(self, requests: dict[SessionId, int], trees: Collection[SessionId] = ()
                       ) -> dict[SessionId, DraftProposal]:
-        """Each session in turn (the draft is one layer: batching would save little)."""
-        return {s: self._propose(s, k) for s, k in requests.items()}
+        """Each session in turn (the draft is one layer: batching would save little). `trees`: sessions
+        whose round may be a token tree (sequential rounds): with `tree_width` > 1, EAGLE-2's dynamic tree."""
+        return {s: self._propose_tree(s, k) if s in trees and self.tree_width > 1 else self._propose(s, k)
+                for s, k in requests.items()}
+
+    def _ready(self, st: _State, n: int, k: int) -> bool:
+        if k <= 0 or n < 2 or st.known == 0 or n - 1 - st.known > self.max_predicted:
+            if k > 0:
+                self.proposals_without_features += 1
+            return False
+        return True
+
+    def _log_q(self, feats: torch.Tensor, params: SamplingParams, tokens: list[int],
+               paths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's log-probabilities after each of `feats`  # [f, H] (row i continues tokens + paths[i]),
+        as (values, target token ids)  # [f, K] each, over its reduced vocabulary or, where processors act,
+        processed like the target's over the full one."""
+        logits = self.draft.logits(feats).float()  # [f, K]
+        if not params.processes_logits:
+            return logits.log_softmax(-1), self.draft.vocab.expand(len(feats), -1)
+        full = torch.full((len(feats), self.vocab_size), float("-inf"), device=logits.device)
+        full[:, self.draft.vocab] = logits
+        full = process_sequence(full, params, tokens, paths)  # [f, vocab_size]
+        return full.log_softmax(-1), torch.arange(self.vocab_size, device=logits.device).expand(len(feats), -1)
+
+    @torch.inference_mode()
+    def _propose_tree(self, session: SessionId, k: int) -> DraftProposal:
+        """A dynamic tree k deep (`drafts.dynamic_tree`): each depth expands its `tree_width` best nodes in
+        one forward of the draft layer (tree attention: each node attends to the committed entries, its
+        ancestors and itself), each scoring `tree_width` children; the best `tree_tokens` nodes are kept.
+        The tree's entries leave the draft's cache afterwards; its first chain joins the sequence."""
+        tokens, params, st = self.tokens(session), self._params[session], self._state[session]
+        n = len(tokens)
+        if not self._ready(st, n, k):
+            return DraftProposal([])
+        feats = self._advance(st, tokens, n - 1)[None]  # [1, H]: f̂_{n-1}, the root's
+        base = st.cache.get_seq_length()  # n - 1 committed entries
+        width, cands = self.tree_width, []
+        rows: list[int] = [ROOT]  # the candidate each row of `feats` belongs to (ROOT: the root)
+        slots: dict[int, int] = {}  # expanded candidate -> its entry in the cache, after `base`
+        for depth in range(k):
+            paths = [self._path(cands, r) for r in rows]
+            logq, ids = self._log_q(feats, params, tokens, paths)  # [f, K]
+            top = logq.topk(min(width, logq.shape[-1]), dim=-1)
+            first = len(cands)
+            for r, parent in enumerate(rows):
+                base_score = 0.0 if parent == ROOT else cands[parent].score
+                for value, j in zip(top.values[r].tolist(), top.indices[r].tolist()):
+                    if value != float("-inf"):
+                        cands.append(Candidate(int(ids[r, j]), parent, base_score + value, depth))
+            if depth + 1 == k or len(cands) == first:
+                break
+            parents, rows = rows, frontier(cands, range(first, len(cands)), width)
+            feats = self._expand(st, base, cands, rows, parents, feats, slots, n)
+        self._crop(st, base)
+        if not cands:
+            return DraftProposal([])
+        token_ids, parents = select_tree(cands, self.tree_tokens)
+        tokens.extend(first_chain(token_ids, parents))
+        return DraftProposal(token_ids, None, parents)
+
+    @staticmethod
+    def _path(cands: list[Candidate], node: int) -> list[int]:
+        path = []
+        while node != ROOT:
+            path.append(cands[node].token)
+            node = cands[node].parent
+        return path[::-1]
+
+    def _expand(self, st: _State, base: int, cands: list[Candidate], nodes: list[int], parents: list[int],
+                feats: torch.Tensor, slots: dict[int, int], n: int) -> torch.Tensor:
+        """Run the draft layer on `nodes`, each from its parent's output feature (the row of `feats`  # [f, H]
+        that `parents` gives it) and its own token, at position n - 1 + depth; returns their outputs
+        # [len(nodes), H]. Their entries join the cache after those of the depths before."""
+        row_of = {c: r for r, c in enumerate(parents)}
+        m, cached = len(nodes), st.cache.get_seq_length()
+        inputs = feats[torch.tensor([row_of[cands[c].parent] for c in nodes], device=feats.device)]  # [m, H]
+        ids = torch.tensor([[cands[c].token for c in nodes]], dtype=torch.long, device=self.device)  # [1, m]
+        pos = torch.tensor([[n - 1 + cands[c].depth for c in nodes]], dtype=torch.long, device=self.device)
+        allowed = torch.zeros(m, cached + m, dtype=torch.bool)  # [m, cached + m]
+        allowed[:, :base] = True
+        for i, c in enumerate(nodes):
+            a = cands[c].parent
+            while a != ROOT:  # every ancestor was expanded, so has an entry
+                allowed[i, slots[a]] = True
+                a = cands[a].parent
+            slots[c] = cached + i
+            allowed[i, slots[c]] = True
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        hidden, _ = self.draft(inputs[None], ids, past=st.cache, pos=pos, mask=mask[None, None].to(self.device))
+        return hidden[0]
 
     @torch.inference_mode()
     def _propose(self, session: SessionId, k: int) -> DraftProposal:
         tokens, params, st = self.tokens(session), self._params[session], self._state[session]
         n = len(tokens)
-        if k <= 0 or n < 2 or st.known == 0 or n - 1 - st.known > self.max_predicted:
-            if k > 0:
-                self.proposals_without_features += 1
+        if not self._ready(st, n, k):
             return DraftProposal([])
         out = self._advance(st, tokens, n - 1)  # f̂_{n-1}: predicts x_n
         drafts, rows = [], []

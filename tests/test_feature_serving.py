@@ -177,3 +177,23 @@ def test_shipped_draft_provenance_and_validate_gate(target_fp32, tokenizer):
     # rounds are replayed from each position's run of right drafts (its later drafts read its own features)
     record = Agreement([5, 6, 7, 8], [True, True, False, True], runs=[1, 0, 0, 1])
     assert replay_rounds(record, 3) == ([2, 1, 1], [1, 0, 0], 3)  # pos 0: run 1 (+1), pos 2: 0 (+1), pos 3: last
+
+
+def test_dynamic_tree_greedy_equals_transformers(target_fp32, tokenizer, prompt_ids, references):
+    """EAGLE-2's dynamic tree from the feature-fed draft (sequential rounds): the output stays the target's,
+    every round is a tree within its budget, and the tree accepts more per round than the draft's chain."""
+    per_round = {}
+    for width in (1, 4):
+        proposer = make_proposer(EngineConfig.build(proposer="draft", draft="feature", dtype="float32",
+                                                    tree_width=width, tree_tokens=12), target_fp32, tokenizer)
+        decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"), proposer, tokenizer, 3)
+        committed = rounds = 0
+        for ids in prompt_ids:
+            result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+            assert result.token_ids == references[tuple(ids)][: len(result.token_ids)], f"diverged on {ids[:6]}"
+            committed, rounds = committed + len(result.token_ids), rounds + result.stats.rounds
+        assert proposer.proposals_without_features == 0 and proposer.num_sessions == 0
+        if width > 1:
+            assert decoder.metrics.tree_rounds > 0.8 * rounds, (decoder.metrics.tree_rounds, rounds)
+        per_round[width] = committed / rounds
+    assert per_round[4] > per_round[1], per_round

@@ -575,3 +575,22 @@ def test_the_engine_verifies_tree_rounds_of_several_sessions_in_one_forward(targ
     for i in (0, 1):
         alone, _ = run([i])
         assert together[i].output_token_ids == alone[i].output_token_ids
+
+
+def test_dynamic_tree_keeps_the_best_nodes_as_a_tree():
+    """EAGLE-2's rerank (`drafts.dynamic_tree.select_tree`): the `budget` best candidates by cumulative log q,
+    each with its parent, ordered by depth and then score (so a node's first child is its best)."""
+    from cluster.core.tree import first_chain
+    from drafts.dynamic_tree import ROOT as DROOT, Candidate, frontier, select_tree
+
+    c = [Candidate(10, DROOT, -0.1, 0), Candidate(11, DROOT, -2.0, 0), Candidate(12, DROOT, -0.7, 0),
+         Candidate(20, 0, -0.5, 1), Candidate(21, 0, -0.3, 1), Candidate(22, 2, -0.9, 1), Candidate(23, 2, -3.0, 1),
+         Candidate(30, 4, -0.35, 2), Candidate(31, 4, -4.0, 2)]
+    assert frontier(c, range(3, 7), 2) == [4, 3]
+    token_ids, parents = select_tree(c, 5)
+    # kept: 10 (-0.1), 21 (-0.3), 30 (-0.35), 20 (-0.5), 12 (-0.7); 22 (-0.9) and the rest are cut
+    assert token_ids == [10, 12, 21, 20, 30]
+    assert parents == [DROOT, DROOT, 0, 0, 2]
+    tree = TokenTree(token_ids, parents)
+    assert first_chain(token_ids, parents) == [10, 21, 30] and len(tree) == 5
+    assert select_tree(c, 100)[0][:3] == [10, 12, 11] and len(select_tree(c, 100)[0]) == len(c)

@@ -24,7 +24,7 @@ class SpeculationPolicyConfig(BaseModel):
     prior_acceptance: float = Field(0.7, gt=0.0, lt=1.0, description="α assumed for a new session before any round is verified.")
     acceptance_weight: float = Field(0.25, gt=0.0, le=1.0, description="Weight of the newest round in the session's running α estimate.")
     prior_cost_ratio: float = Field(0.4, gt=0.0, description="c assumed until draft and verify times have been measured.")
-    verify_token_cost: float = Field(0.03, ge=0.0, description="Extra verify time per drafted token, as a fraction of one target step.")
+    verify_token_cost: float = Field(0.03, ge=0.0, description="Extra verify time per drafted token, as a fraction of one target step, until the router has measured it (two round sizes seen: `CostEstimates.verify_token_cost`).")
     min_speedup: float = Field(1.05, ge=1.0, description="Draft only when the predicted speedup reaches this; else plain decoding.")
     min_remaining_tokens: int = Field(2, ge=1, description="Plain decoding when fewer tokens than this are left to generate.")
     saturation_sessions: int = Field(0, ge=0, description="Plain decoding when a verifier replica holds at least this many sessions (0: never); applies with adaptive: false too.")
@@ -39,12 +39,15 @@ class SpeculationPolicy:
         self.max_gamma = max_gamma
         self.pipelined = pipelined
 
-    def best_gamma(self, alpha: float, cost_ratio: float, pipelined: bool | None = None) -> tuple[int, float]:
-        """(γ, predicted speedup) maximising E / time over 0..max_gamma (`pipelined`: this round's mode)."""
+    def best_gamma(self, alpha: float, cost_ratio: float, pipelined: bool | None = None,
+                   verify_token_cost: float | None = None) -> tuple[int, float]:
+        """(γ, predicted speedup) maximising E / time over 0..max_gamma (`pipelined`: this round's mode;
+        `verify_token_cost`: v as measured, else the config's prior)."""
         pipelined = self.pipelined if pipelined is None else pipelined
+        v = self.config.verify_token_cost if verify_token_cost is None else verify_token_cost
         best = (0, 1.0)
         for gamma in range(1, self.max_gamma + 1):
-            speedup = predicted_speedup(alpha, gamma, cost_ratio, pipelined, self.config.verify_token_cost)
+            speedup = predicted_speedup(alpha, gamma, cost_ratio, pipelined, v)
             if speedup > best[1]:
                 best = (gamma, speedup)
         return best if best[1] >= self.config.min_speedup else (0, 1.0)
@@ -82,9 +85,11 @@ class SessionPolicy:
         return bool(config.saturation_sessions and verifier_sessions >= config.saturation_sessions)
 
     def gamma(self, remaining: int, limit: int | None = None, cost_ratio: float | None = None,
-              verifier_sessions: int = 0, pipelined: bool | None = None) -> int:
+              verifier_sessions: int = 0, pipelined: bool | None = None,
+              verify_token_cost: float | None = None) -> int:
         """Drafts for the next round: at most `limit` (default: max_gamma and remaining − 1, leaving
-        room for the round's own recovered or bonus token)."""
+        room for the round's own recovered or bonus token); `cost_ratio` and `verify_token_cost` as
+        measured (None: the priors)."""
         config, policy = self.policy.config, self.policy
         limit = min(policy.max_gamma, remaining - 1 if limit is None else limit)
         if limit <= 0 or self.saturated(verifier_sessions):
@@ -93,7 +98,7 @@ class SessionPolicy:
             return limit
         if remaining < config.min_remaining_tokens:
             return 0
-        gamma, _ = policy.best_gamma(self.alpha, cost_ratio or config.prior_cost_ratio, pipelined)
+        gamma, _ = policy.best_gamma(self.alpha, cost_ratio or config.prior_cost_ratio, pipelined, verify_token_cost)
         if gamma == 0:
             self._plain_rounds += 1
             if self._plain_rounds >= config.probe_every:

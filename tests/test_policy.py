@@ -49,6 +49,49 @@ def test_plain_decoding_when_speculation_cannot_pay():
     assert fixed.gamma(100, cost_ratio=9, verifier_sessions=7) == 4 and fixed.gamma(100, verifier_sessions=8) == 0
 
 
+def test_the_measured_verify_cost_curve_decides_whether_speculation_pays():
+    """v fitted from the verify times of rounds of different sizes (`CostEstimates`): where every drafted
+    row costs a good part of a step (torch's bf16 matmuls on a CPU without native bf16), plain decoding;
+    where a forward of a few tokens costs what one does, speculation."""
+    from cluster.session.loop_state import CostEstimates
+
+    steep, flat = CostEstimates(), CostEstimates()
+    assert steep.verify_token_cost is None
+    steep.record_verify(0.050, 0)
+    assert steep.verify_token_cost is None and steep.step_s == pytest.approx(0.050)  # one size: no curve yet
+    steep.record_verify(0.140, 3)
+    flat.record_verify(0.050, 0)
+    flat.record_verify(0.053, 3)
+    assert steep.verify_token_cost == pytest.approx(0.6) and steep.step_s == pytest.approx(0.050)
+    assert flat.verify_token_cost == pytest.approx(0.02)
+    steep.record_draft(0.010, 2)
+    assert steep.cost_ratio == pytest.approx(0.1)  # c over the fitted one-token step, not the mean forward
+    session = SpeculationPolicy(SpeculationPolicyConfig(prior_acceptance=0.7), max_gamma=3).session()
+    assert session.gamma(100, cost_ratio=0.05) == 3  # the prior v (0.03)
+    assert session.gamma(100, cost_ratio=0.05, verify_token_cost=flat.verify_token_cost) == 3
+    assert session.gamma(100, cost_ratio=0.05, verify_token_cost=steep.verify_token_cost) == 0
+
+
+def test_the_loop_measures_the_verify_cost_curve(target_fp32, draft_int8, tokenizer):
+    """An adaptive session whose rounds are all one size spends one plain round to see a second size, so
+    the curve is fitted; the output is the target's either way."""
+    from cluster.model.runner import TorchModelRunner
+    from cluster.core.sampling import SamplingParams
+    from cluster.session.speculate import SpeculativeDecoder
+    from drafts.draft_model import DraftModelProposer
+    from tests.helpers import greedy_references
+
+    prompt = tokenizer.encode("def add(a, b):\n    return")
+    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"),
+                                 DraftModelProposer(TorchModelRunner(draft_int8, name="draft")), tokenizer, 3,
+                                 policy=SpeculationPolicy(SpeculationPolicyConfig(prior_acceptance=0.9), 3))
+    result = decoder.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    reference = greedy_references(target_fp32, [prompt], 24)[tuple(prompt)]
+    assert len(reference) > 8 and result.token_ids[: len(reference)] == reference
+    assert 0 in decoder.estimates.verify_by_drafts and len(decoder.estimates.verify_by_drafts) >= 2
+    assert decoder.estimates.verify_token_cost is not None
+
+
 def test_pipelined_policy_prefers_longer_drafts_when_drafting_is_cheap_relative_to_verify():
     sequential = SpeculationPolicy(SpeculationPolicyConfig(), max_gamma=8, pipelined=False)
     pipelined = SpeculationPolicy(SpeculationPolicyConfig(), max_gamma=8, pipelined=True)

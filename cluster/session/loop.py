@@ -73,10 +73,16 @@ class SessionLoop:
 
     def gamma(self, remaining: int, bonus: bool, verifier_sessions: int) -> int:
         limit = min(self.state.max_gamma, remaining - (1 if bonus else 0))
-        cost = self.estimates.cost_ratio
+        cost, verify_cost = self.estimates.cost_ratio, self.estimates.verify_token_cost
         if not bonus and self.config.balance_pipeline and cost:  # a pipelined round
             limit = min(limit, max(1, round(1 / cost)))
-        return self.state.policy.gamma(remaining, limit, cost, verifier_sessions, pipelined=not bonus)
+        gamma = self.state.policy.gamma(remaining, limit, cost, verifier_sessions, pipelined=not bonus,
+                                        verify_token_cost=verify_cost)
+        seen = self.estimates.verify_by_drafts
+        if (verify_cost is None and gamma > 0 and list(seen) == [gamma] and self.state.stats.rounds >= 4
+                and self.state.policy.policy.config.adaptive):
+            gamma = 0  # one plain round: a second point of the verify-cost curve (its slope decides γ)
+        return gamma
 
     def cost(self) -> float:
         """c: measured, else the policy's prior."""
@@ -105,7 +111,8 @@ class SessionLoop:
         verifier.send(timing.round, p.epoch, bonus, draft)
         timing.sent = time.time()
         tree_chain = chain if draft is not None and draft.parents is not None else None
-        p.in_flight.append(InFlight(timing, p.epoch, num_drafts, tree_chain=tree_chain, own_match=own))
+        p.in_flight.append(InFlight(timing, p.epoch, num_drafts, len(draft.token_ids) if draft is not None else 0,
+                                    tree_chain=tree_chain, own_match=own))
         if own:
             self.metrics.add(own_match_rounds=1)
         p.optimistic += num_drafts
@@ -207,7 +214,7 @@ class SessionLoop:
             return None
         p.verifier_sessions = self.estimates.last_load = active_sessions
         timing.verify_start, timing.verify_end, timing.received = result.verify_start, result.verify_end, received
-        self.estimates.record_verify(result.verify_end - result.verify_start)
+        self.estimates.record_verify(result.verify_end - result.verify_start, entry.num_fed)
         stats.verify_s += result.verify_end - result.verify_start
         if self.timeline is not None:
             self.timeline.append(timing)

@@ -57,26 +57,62 @@ class LoopMetrics:
 
 
 class CostEstimates:
-    """Online estimates shared by the sessions of one router or decoder: c and the verifier's load."""
+    """Online estimates shared by the sessions of one router or decoder: c, the verify-cost curve and the
+    verifier's load.
+
+    The verify-cost curve: a round's verify time is fitted as step · (1 + v · drafts), least squares over
+    the EMA of each round size seen (the drafts a round carried, siblings of a token tree included). v
+    decides whether speculation pays: about 0.02 where a forward of a few tokens costs what one costs
+    (a GPU, vLLM's CPU kernels), about 0.6 where every row costs a step of its own (torch's bf16 matmuls
+    on a CPU without native bf16). Until two sizes are seen the policy's prior stands (`verify_token_cost`)."""
 
     def __init__(self) -> None:
         self.draft_token_s = 0.0  # EMA of draft time per token
-        self.verify_s = 0.0  # EMA of one verify step
+        self.verify_s = 0.0  # EMA of one verify forward, whatever its size
+        self.verify_by_drafts: dict[int, float] = {}  # drafts in the round -> EMA of its verify forward
         self.last_load = 0  # sessions on a verifier replica, as last reported
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(step, per-draft) seconds from the round sizes seen; None with fewer than two sizes."""
+        points = sorted(self.verify_by_drafts.items())
+        if len(points) < 2:
+            return None
+        n = len(points)
+        mean_k = sum(k for k, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        slope = (sum((k - mean_k) * (t - mean_t) for k, t in points)
+                 / sum((k - mean_k) ** 2 for k, _ in points))
+        step = mean_t - slope * mean_k
+        return (step, max(slope, 0.0)) if step > 0 else None
+
+    @property
+    def step_s(self) -> float | None:
+        """One target step: the fitted curve's value at no drafts, else the mean verify forward."""
+        fit = self._fit()
+        return fit[0] if fit else (self.verify_s or None)
+
+    @property
+    def verify_token_cost(self) -> float | None:
+        """Measured v: the verify time each draft adds, as a fraction of one step (None until fitted)."""
+        fit = self._fit()
+        return fit[1] / fit[0] if fit else None
 
     @property
     def cost_ratio(self) -> float | None:
-        """Measured c: draft time per token over one verify step (None until both are measured)."""
-        if self.draft_token_s > 0 and self.verify_s > 0:
-            return self.draft_token_s / self.verify_s
+        """Measured c: draft time per token over one target step (None until both are measured)."""
+        step = self.step_s
+        if self.draft_token_s > 0 and step:
+            return self.draft_token_s / step
         return None
 
     def record_draft(self, seconds: float, num_drafts: int) -> None:
         if num_drafts:
             self.draft_token_s = ema(self.draft_token_s, seconds / num_drafts)
 
-    def record_verify(self, seconds: float) -> None:
+    def record_verify(self, seconds: float, num_drafts: int | None = None) -> None:
         self.verify_s = ema(self.verify_s, seconds)
+        if num_drafts is not None:
+            self.verify_by_drafts[num_drafts] = ema(self.verify_by_drafts.get(num_drafts, 0.0), seconds)
 
 
 @dataclass
@@ -97,6 +133,7 @@ class InFlight:
     timing: RoundTiming
     epoch: int
     num_drafts: int  # the drafts' chain (a token tree's siblings are not counted)
+    num_fed: int = 0  # every draft token the verifier scores (a token tree's siblings too)
     stale: bool = False  # drafted before a rejection: its answer commits nothing
     tree_chain: list[int] | None = None  # a token tree's round: the drafter's own continuation
     own_match: bool = False  # drafted by the loop itself (`SessionLoop.own_match`), not the drafter

@@ -51,7 +51,8 @@ def verify_curve(runner: TorchModelRunner, tiny: bool, reps: int, warmup: int = 
                 runner.release(s)
         out["seconds"][batch] = seconds
         out["ratio"][batch] = {n: t / seconds[1] for n, t in seconds.items()}
-    out["batch8_step_over_batch1_step"] = out["seconds"][8][1] / out["seconds"][1][1]
+    if 8 in out["seconds"] and 1 in out["seconds"]:
+        out["batch8_step_over_batch1_step"] = out["seconds"][8][1] / out["seconds"][1][1]
     return out
 
 

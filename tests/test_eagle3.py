@@ -1,0 +1,104 @@
+"""The EAGLE-3-style draft and its trainer (`drafts/eagle3_model.py`, `tools/eagle3.py`) on a tiny target:
+the training-time-test forward computes exactly what drafting past the committed point computes, training
+lowers the loss and raises agreement, a rerun resumes, and the export round-trips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from drafts.eagle3_model import Eagle3Draft, fusion_layers, load_eagle3
+from tests.helpers import tiny_llama
+from tools.draftdata.shards import Manifest, ShardData, ShardRecord, write_shard
+from tools.eagle3 import CURVE, Eagle3Config, ttt_forward, ttt_mask, train
+
+
+def test_ttt_mask_is_what_a_drafting_round_sees():
+    assert torch.equal(ttt_mask(5, 0), torch.ones(5, 5, dtype=torch.bool).tril())
+    m = ttt_mask(5, 2)  # query (step 2, entry 4): target-fed entries 0..2, step 1's entry 3, itself
+    seen = {(int(k) // 5, int(k) % 5) for k in torch.nonzero(m[2 * 5 + 4]).flatten()}
+    assert seen == {(0, 0), (0, 1), (0, 2), (1, 3), (2, 4)}
+    assert fusion_layers(30) == (2, 15, 27)
+
+
+def test_ttt_forward_equals_drafting_with_a_cache():
+    """Step j at entry t = a round that starts after entry t - j (target-fed) and drafts j entries from
+    its own outputs, with the draft's KV cache, one entry at a time."""
+    from transformers import DynamicCache
+
+    target = tiny_llama(0, vocab_size=16)
+    draft = Eagle3Draft(target, torch.arange(16)).float().eval()
+    torch.manual_seed(1)
+    for p in draft.parameters():
+        p.data.add_(0.05 * torch.randn_like(p))
+    ids = torch.randint(0, 16, (1, 12))
+    with torch.no_grad():
+        _, logits = ttt_forward(target, draft, ids, 3)
+        u = draft.fused(target(input_ids=ids, output_hidden_states=True).hidden_states)[:, :-1]
+        for j in range(3):
+            for t in range(j, 10):
+                cache = DynamicCache()
+                g, _ = draft(u[:, :t - j + 1], ids[:, 1:t - j + 2], past=cache)
+                g = g[:, -1:]
+                for e in range(t - j + 1, t + 1):
+                    g, _ = draft(g, ids[:, e + 1:e + 2], past=cache, pos=torch.tensor([[e]]))
+                torch.testing.assert_close(logits[j][0, t], draft.logits(g[0, -1]), atol=1e-5, rtol=1e-5)
+
+
+class _Tok:
+    eos_token_id = 0
+
+
+def _dataset(folder, target, n: int = 24, length: int = 20, prompt: int = 4) -> None:
+    """Samples whose answers are the tiny target's own greedy continuations (a learnable, on-policy set)."""
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    with torch.no_grad():
+        for _ in range(n):
+            start = torch.randint(1, 16, (1, prompt), generator=g)
+            samples.append(target.generate(start, max_new_tokens=length - prompt, do_sample=False)[0].tolist())
+    tokens = np.array([t for s in samples for t in s], dtype=np.uint16)
+    offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
+    shard = ShardData(tokens, offsets, np.full(n, prompt, np.int32), np.arange(n, dtype=np.int64),
+                      np.array(["magpie"] * n), np.array(["magpie"] * n), np.ones(n, bool), np.ones(n, bool),
+                      np.zeros(n, np.int64), np.array(["length"] * n), np.array(["p"] * n))
+    sha = write_shard(folder / "shard-000000.npz", shard)
+    Manifest({"seed": 0}, [ShardRecord(0, "shard-000000.npz", n, n * (length - prompt), n * prompt, sha, {}, {},
+                                       "test", 1.0, n * length)]).save(folder)
+
+
+def test_training_lowers_the_loss_resumes_and_exports(tmp_path):
+    target = tiny_llama(0, vocab_size=16)
+    data, out = tmp_path / "data", tmp_path / "draft"
+    data.mkdir()
+    _dataset(data, target)
+    with torch.no_grad():
+        sets = {"held_out": [(4, target.generate(torch.tensor([[5, 3, 9, 2]]), max_new_tokens=16,
+                                                 do_sample=False)[0].tolist())]}
+    config = Eagle3Config(data=str(data), ttt_steps=3, seq_len=20, batch_size=8, lr=3e-3, vocab_size=16, steps=30,
+                          eval_every=15, context=4)
+    meta = train(target, _Tok(), out, config, eval_sets=sets)
+    curve = [json.loads(line) for line in (out / CURVE).read_text().splitlines()]
+    assert [c["step"] for c in curve] == [0, 15, 30]
+    assert curve[2]["loss"] < curve[1]["loss"]
+    first, last = curve[0]["held_out"], curve[-1]["held_out"]
+    assert last["soft_ce_step0"] < first["soft_ce_step0"] and last["mean_accepted_of_3"] > 1.0, (first, last)
+    assert meta["kind"] == "eagle3" and meta["steps"] == 30 and meta["data"]["shards"] == ["shard-000000.npz"]
+    assert (out / "draft.safetensors").stat().st_size < 20 * 2**20
+    again = train(target, _Tok(), out, config, eval_sets=sets)  # finished: resumes at the end, trains nothing
+    assert again["steps"] == 30 and len((out / CURVE).read_text().splitlines()) == 3
+    loaded = load_eagle3(target, out, torch.float32)
+    ids = torch.tensor([sets["held_out"][0][1]])
+    with torch.no_grad():
+        trained = Eagle3Draft(target, loaded.d2t, loaded.layers)
+        trained.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=False)["draft"])
+        a, b = ttt_forward(target, loaded, ids, 2)[1], ttt_forward(target, trained.eval(), ids, 2)[1]
+    torch.testing.assert_close(a[1], b[1], atol=0.05, rtol=0.05)  # bf16 export
+
+
+def test_a_run_without_data_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="manifest"):
+        train(tiny_llama(0, vocab_size=16), _Tok(), tmp_path / "o", Eagle3Config(data=str(tmp_path)))

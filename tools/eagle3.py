@@ -1,0 +1,280 @@
+"""Train an EAGLE-3-style draft (`drafts.eagle3_model`) on the target's own answers (issue 24, item 2).
+
+    python -m tools.eagle3 --data ~/.cache/tandem/draftdata/smollm2-135m --out DIR
+        [--steps 2000] [--max-minutes 60] [--ttt-steps 5] [--seq-len 256] [--batch-size 4]
+
+Data: the shards of `python -m tools.draftdata generate` (the target's answers to prompts made here;
+HumanEval and the benchmark prompts held out there), each sample a window starting 32 tokens before its
+answer; the loss counts answer positions only. The target runs on every batch (its hidden states
+entering the three fused layers and its distribution), so nothing is cached and the data can grow.
+
+Objective (EAGLE-3): no feature regression; "training-time test" over `ttt_steps` steps: step 0 reads
+the fused target states, step j > 0 reads the draft's own output of step j − 1 at the position before,
+and attends to the target-fed entries up to the round's start plus its own earlier steps of that round
+(`ttt_mask`), exactly what drafting j tokens past the committed point sees. Step j's loss, weighted
+0.8^j, is the soft cross-entropy of the draft against the target's distribution over the draft's
+vocabulary (the most frequent answer tokens; `d2t` maps them to target ids).
+
+Every `eval_every` steps (and at the end) the held-out sets (HumanEval and chat prompts with the
+target's greedy continuation) are scored by the same forward: per-step agreement and the mean accepted
+length of a greedy γ = ttt_steps round; appended to `learning_curve.jsonl`; a checkpoint is written and
+a rerun resumes from it (on the shards it started with). The export is bf16 safetensors with
+provenance in `tandem_draft.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cluster.model import models
+from drafts.eagle3_model import KIND, META, WEIGHTS, Eagle3Draft
+from drafts.training.distill import frequent_vocab
+from drafts.training.feature_draft import _eval_sets
+from tools.draftdata.shards import Manifest, read_shard
+
+log = logging.getLogger(__name__)
+CHECKPOINT, CURVE = "checkpoint.pt", "learning_curve.jsonl"
+
+
+@dataclass
+class Eagle3Config:
+    data: str
+    ttt_steps: int = 5
+    step_weight: float = 0.8
+    seq_len: int = 256
+    batch_size: int = 4
+    lr: float = 5e-4
+    vocab_size: int = 8192
+    steps: int = 2000
+    max_minutes: float = 0.0
+    eval_every: int = 200
+    eval_humaneval: int = 16
+    eval_chat: int = 8
+    eval_new_tokens: int = 64
+    context: int = 32  # prompt tokens kept before the answer in a window
+    max_shards: int = 0  # 0: every shard the manifest lists at the first run
+    seed: int = 0
+    threads: int = 1
+
+
+def ttt_mask(n: int, step: int) -> torch.Tensor:
+    """Which keys each query sees when the entries of steps 0..step (n each) run as one sequence  # bool
+    [(step + 1) n, (step + 1) n]: query (a, t) sees step 0's entries s <= t - a (target-fed context) and
+    step b's entry t - a + b for 1 <= b <= a (its own round's earlier steps, then itself)."""
+    idx = torch.arange((step + 1) * n)
+    a, t = (idx // n)[:, None], (idx % n)[:, None]
+    b, s = (idx // n)[None], (idx % n)[None]
+    return ((b == 0) & (s <= t - a)) | ((b >= 1) & (b <= a) & (s == t - a + b))
+
+
+def load_windows(data: Path, names: list[str], seq_len: int, context: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [N, seq_len], answer mask [N, seq_len]: the positions whose token is part of an answer)."""
+    ids, mask = [], []
+    for name in names:
+        shard = read_shard(data / name)
+        for i in range(len(shard)):
+            tokens, plen = shard.sample(i), int(shard.prompt_len[i])
+            start = max(0, plen - context)
+            window = tokens[start:start + seq_len]
+            m = [start + j >= plen for j in range(len(window))]
+            ids.append(window + [pad] * (seq_len - len(window)))
+            mask.append(m + [False] * (seq_len - len(window)))
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+
+
+def ttt_forward(target, draft: Eagle3Draft, ids: torch.Tensor, steps: int):
+    """The target's distribution over the draft vocabulary and the draft's logits at every TTT step.
+    ids [B, W] -> (p [B, W - 1, K]: entry t's target, the distribution of token t + 2; logits: steps x [B, W - 1, K])."""
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        p = torch.softmax(out.logits[:, 1:, :].float()[..., draft.d2t], -1)  # renormalised over the draft vocabulary
+    u0 = draft.fused(out.hidden_states)[:, :-1]  # [B, n, H]
+    n, tokens = u0.shape[1], ids[:, 1:]
+    inputs, logits = [u0], []
+    for j in range(steps):
+        allowed = ttt_mask(n, j)
+        mask = torch.zeros(allowed.shape, dtype=u0.dtype).masked_fill(~allowed, torch.finfo(u0.dtype).min)
+        pos = torch.arange(n).repeat(j + 1)[None]
+        g, _ = draft(torch.cat(inputs, 1), tokens.repeat(1, j + 1), pos=pos, mask=mask[None, None])
+        g = g[:, j * n:]  # [B, n, H]: this step's entries
+        logits.append(draft.logits(g))
+        inputs.append(torch.cat([g[:, :1], g[:, :-1]], 1))  # entry t of the next step reads g at t - 1
+    return p, logits
+
+
+def ttt_loss(p, logits, valid: torch.Tensor, weight: float) -> tuple[torch.Tensor, list[float]]:
+    """Σ_j weight^j · soft-CE at step j over entries t >= j whose target token is an answer token
+    (valid [B, W - 1])."""
+    total, parts = 0.0, []
+    for j, lg in enumerate(logits):
+        m = valid.clone()
+        m[:, :j] = False
+        ce = -(p * torch.log_softmax(lg.float(), -1)).sum(-1)  # [B, n]
+        part = (ce * m).sum() / m.sum().clamp(min=1)
+        total = total + weight ** j * part
+        parts.append(part.item())
+    return total, parts
+
+
+@torch.no_grad()
+def evaluate(target, draft: Eagle3Draft, sets: dict, steps: int) -> dict:
+    """Per workload: agreement at each step (given the correct tokens before), the mean accepted length of
+    a greedy round of `steps` drafts (the longest run of agreeing steps along its diagonal) and step 0's
+    soft cross-entropy against the target."""
+    was = draft.training
+    draft.eval()
+    result = {}
+    for name, seqs in sets.items():
+        hits, counts, accepted, rounds, ce, ce_n = np.zeros(steps), np.zeros(steps), 0, 0, 0.0, 0
+        for plen, full in seqs:
+            ids = torch.tensor([full])
+            p, logits = ttt_forward(target, draft, ids, steps)
+            n = ids.shape[1] - 1
+            first = max(plen - 2, 0)
+            ce += float(-(p[0, first:] * torch.log_softmax(logits[0][0, first:].float(), -1)).sum())
+            ce_n += n - first
+            truth = torch.tensor(full[2:] + [-1])  # [n]: entry t predicts token t + 2
+            right = torch.stack([draft.d2t[lg[0].argmax(-1)] == truth for lg in logits])  # [steps, n]
+            for j in range(steps):
+                hits[j] += int(right[j, first + j:n - 1].sum())
+                counts[j] += max(0, n - 1 - first - j)
+            for t in range(first, n - steps):
+                m = 0
+                while m < steps and bool(right[m, t + m]):
+                    m += 1
+                accepted, rounds = accepted + m, rounds + 1
+        result[name] = {"agreement_per_step": [round(h / max(c, 1), 4) for h, c in zip(hits, counts)],
+                        f"mean_accepted_of_{steps}": accepted / max(rounds, 1),
+                        "soft_ce_step0": ce / max(ce_n, 1)}  # against the target's distribution
+    draft.train(was)
+    return result
+
+
+def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | None = None) -> dict:
+    """Train (or resume) into `out_dir`; returns the exported tandem_draft.json. `eval_sets` replaces the
+    held-out HumanEval / chat sets (tests)."""
+    started = time.time()
+    deadline = started + 60 * config.max_minutes if config.max_minutes else float("inf")
+    out, data = Path(out_dir), Path(config.data).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    target.eval()
+    ckpt = out / CHECKPOINT
+    state = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    manifest = Manifest.load(data)
+    if manifest is None:
+        raise FileNotFoundError(f"{data} holds no draftdata manifest (python -m tools.draftdata generate)")
+    names = state["shards"] if state else [s.file for s in manifest.shards][: config.max_shards or None]
+    if not names:
+        raise ValueError(f"{data} has no finished shard yet")
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    ids, answer = load_windows(data, names, config.seq_len, config.context, pad)  # [N, W]
+    vocab = torch.tensor(frequent_vocab(ids[answer].tolist(), config.vocab_size, [pad]))
+    draft = Eagle3Draft(target, vocab).float().train()
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.steps,
+                                                    pct_start=0.05)
+    step, minutes_before = 0, 0.0
+    if state is not None:
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, minutes_before = state["step"], state["minutes"]
+        log.info("resuming at step %d of %d", step, config.steps)
+    sets = eval_sets if eval_sets is not None else _eval_sets(target, tokenizer, _EvalShape(config), out)
+    valid = answer[:, 2:]  # entry t predicts token t + 2
+    valid = torch.cat([valid, torch.zeros(len(valid), 1, dtype=torch.bool)], 1)  # [N, W - 1]
+    per_epoch = max(1, len(ids) // config.batch_size)
+
+    def minutes() -> float:
+        return minutes_before + (time.time() - started) / 60
+
+    def record(loss) -> dict:
+        entry = {"step": step, "epoch": round(step / per_epoch, 3), "minutes": round(minutes(), 2),
+                 "loss": loss, **evaluate(target, draft, sets, config.ttt_steps)}
+        with open(out / CURVE, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        log.info("evaluation %s", json.dumps(entry))
+        torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "step": step, "minutes": minutes(), "shards": names}, ckpt)
+        return entry
+
+    last = record(None) if step == 0 else None
+    losses: list[float] = []
+    while step < config.steps and time.time() < deadline:
+        epoch, i = divmod(step, per_epoch)
+        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(config.seed + epoch))
+        batch = order[i * config.batch_size:(i + 1) * config.batch_size]
+        p, logits = ttt_forward(target, draft, ids[batch], config.ttt_steps)
+        loss, _ = ttt_loss(p, logits, valid[batch], config.step_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        losses.append(loss.item())
+        if step % config.eval_every == 0 or step == config.steps or time.time() >= deadline:
+            last, losses = record(sum(losses) / len(losses)), []
+    if last is None:
+        last = json.loads((out / CURVE).read_text().splitlines()[-1])
+    return export(target, draft, out, config, manifest, names, len(ids), step, last)
+
+
+class _EvalShape:
+    """The fields `feature_draft._eval_sets` reads, from an Eagle3Config."""
+
+    def __init__(self, config: Eagle3Config):
+        self.eval_humaneval, self.eval_chat, self.eval_new_tokens = (config.eval_humaneval, config.eval_chat,
+                                                                     config.eval_new_tokens)
+
+
+def export(target, draft: Eagle3Draft, out: Path, config: Eagle3Config, manifest, names, windows, step, last) -> dict:
+    from safetensors.torch import save_file
+
+    save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in draft.state_dict().items()}, out / WEIGHTS)
+    meta = {"kind": KIND, "target": str(target.config.name_or_path), "vocab_size": len(draft.d2t),
+            "fusion_layers": list(draft.layers),
+            "weights": f"{WEIGHTS} (bf16): fuse, fc, the decoder layer, norm and d2t; the token embedding and "
+                       "the head rows at d2t are rebuilt from the target",
+            "command": shlex.join(sys.argv), "config": asdict(config), "steps": step,
+            "data": {"dir": str(config.data), "shards": names, "windows": windows,
+                     "recipe": manifest.recipe,
+                     "answer_tokens": sum(s.answer_tokens for s in manifest.shards if s.file in names)},
+            "final_eval": {k: v for k, v in last.items() if k not in ("step", "epoch", "minutes", "loss")},
+            "minutes": last["minutes"], "torch": torch.__version__}
+    (out / META).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--target", default="default")
+    for name, field in Eagle3Config.__dataclass_fields__.items():
+        if name != "data":
+            parser.add_argument("--" + name.replace("_", "-"), type=type(field.default), default=field.default)
+    args = vars(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = models.prepare_default_model() if args["target"] == "default" else args["target"]
+    target = models.load_causal_lm(path, "float32", "cpu")
+    out, _ = args.pop("out"), args.pop("target")
+    meta = train(target, models.load_tokenizer(path), out, Eagle3Config(**args))
+    print(json.dumps(meta["final_eval"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,17 +11,23 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from cluster.core.logprobs import TokenLogprob
 from cluster.core.stats import SpeculationStats
 
 
 @dataclass(frozen=True)
 class TokensChunk:
     """Tokens committed since the previous chunk, the text they settle (an incomplete character or a
-    possible stop string is held back), and the speculation figures so far (`SpeculationStats` fields)."""
+    possible stop string is held back), and the speculation figures so far (`SpeculationStats` fields).
+    Where the request asks for logprobs: those of `token_ids`, and how many of the session's output tokens
+    the text sent so far covers (`settled`: the ingress sends a token's logprob with the chunk that
+    carries its text, the rest with the finish)."""
 
     token_ids: list[int]
     text: str
     stats: dict
+    logprobs: list[TokenLogprob] | None = None
+    settled: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,9 +64,11 @@ Chunk = TokensChunk | FinishChunk | ErrorChunk
 
 @dataclass(frozen=True)
 class StepTokens:
-    """A vLLM verifier replica -> its router: the tokens one engine step committed."""
+    """A vLLM verifier replica -> its router: the tokens one engine step committed (and their logprobs,
+    where asked)."""
 
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--logprobs", type=int, help="with --json: each token's logprob and this many top ones (0 .. 20)")
+    gen.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs")
     _engine_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--distributed", action="store_true", help="run on a local Ray cluster (drafter actor, gRPC verifiers)")
@@ -81,7 +83,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _generate(args) -> int:
     params = SamplingParams.build(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  top_k=args.top_k, seed=args.seed, stop=args.stop)
+                                  top_k=args.top_k, seed=args.seed, stop=args.stop, logprobs=args.logprobs,
+                                  logprobs_mode=args.logprobs_mode)
     if not args.prompt:
         raise InvalidRequestError("the prompt is empty")
     config = EngineConfig.build(target=args.target, proposer=args.proposer, draft=args.draft,
@@ -108,7 +111,9 @@ def _generate(args) -> int:
         decoder = build_decoder(config)
         result = decoder.generate(encode_prompt(decoder.tokenizer, args.prompt, args.chat), params)
     if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+        logprobs = None if result.logprobs is None else \
+            [{"token_id": t.token_id, "logprob": t.logprob, "top": [list(e) for e in t.top]} for t in result.logprobs]
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "logprobs": logprobs,
                           "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
     else:
         print(result.text)

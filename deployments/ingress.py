@@ -24,20 +24,14 @@ from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import SamplingParams
 from cluster.model import models
 from cluster.session.speculate import validate_request
-from cluster.wire.codec import processor_fields_from_pb
+from cluster.wire.codec import logprob_fields_from_pb, logprobs_to_pb, processor_fields_from_pb
 from deployments.chunks import ErrorChunk, FinishChunk, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.failover import FailoverMetrics, resumable_stream
-from deployments.openai_api import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorResponse,
-    error_response,
-    parse_request,
-    read_body,
-)
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest, parse_request
+from deployments.openai_body import ApiError, ErrorResponse, error_response, read_body
 from deployments.openai_choices import choice_params, collect, open_choices, sse
+from deployments.openai_logprobs import LogprobFormat
 from deployments.openai_responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -119,13 +113,18 @@ class Ingress:
             raise InvalidRequestError(f"{', '.join(params.vllm_refused_fields)}: not served on the vLLM backend "
                                       "(engine.backend: vllm; vLLM refuses min_p and logit_bias with speculative "
                                       "decoding); the torch backend serves them")
+        served = self.config.vllm.engine_kwargs.get("logprobs_mode", "raw_logprobs")
+        if self.config.engine.backend == "vllm" and params.logprobs is not None and params.logprobs_mode != served:
+            raise InvalidRequestError(f"logprobs_mode: {params.logprobs_mode} is not served here: vLLM's logprobs_mode "
+                                      f"is per server, and this one was started with {served} "
+                                      "(vllm.engine_kwargs.logprobs_mode); the torch backend serves both")
         return params.with_seed()  # fixed here: a resumed session (failover) draws the same numbers
 
     def _http_params(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                      max_tokens: int | None) -> SamplingParams:
         return self._sampling(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
-                              **body.processor_fields(self.tokenizer))
+                              **body.processor_fields(self.tokenizer), **body.logprob_fields())
 
     def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
         if not messages:
@@ -200,13 +199,14 @@ class Ingress:
         if refused is not None:  # a refusal (queue full, ...) still gets its status code, not a 200 stream
             return self._error(refused)
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        logprobs = LogprobFormat(self.tokenizer, kind) if params.logprobs is not None else None
         if body.stream:
             return StreamingResponse(sse(chunks, body.n, kind, request_id, body.model, body.usage_options(),
-                                         len(prompt_ids), body.return_token_ids),
+                                         len(prompt_ids), body.return_token_ids, logprobs),
                                      media_type="text/event-stream")
         try:
             result = await collect(chunks, body.n, kind, request_id, body.model, len(prompt_ids),
-                                   body.return_token_ids)
+                                   body.return_token_ids, logprobs)
         finally:
             await chunks.aclose()
         return self._error(result) if isinstance(result, ErrorChunk) else result
@@ -229,7 +229,8 @@ class Ingress:
             p = request.params
             params = self._sampling(prompt_ids, p.max_tokens or None, temperature=p.temperature,
                                     top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
-                                    stop=list(p.stop), ignore_eos=p.ignore_eos, **processor_fields_from_pb(p))
+                                    stop=list(p.stop), ignore_eos=p.ignore_eos, **processor_fields_from_pb(p),
+                                    **logprob_fields_from_pb(p))
         except InvalidRequestError as e:
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             grpc_context.set_details(str(e))
@@ -242,7 +243,8 @@ class Ingress:
                     grpc_context.set_details(chunk.message)
                     raise InvalidRequestError(chunk.message)
                 case TokensChunk():
-                    yield pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, prompt_tokens=len(prompt_ids))
+                    yield pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, prompt_tokens=len(prompt_ids),
+                                              logprobs=logprobs_to_pb(chunk.logprobs or ()))
                 case FinishChunk():
                     s = chunk.stats
                     yield pb.GenerateResponse(

@@ -1,30 +1,27 @@
-"""The OpenAI-compatible HTTP API's requests: their models, how a raw body becomes one, and the
-OpenAI-style error body (responses: `deployments/openai_responses.py`).
+"""The OpenAI-compatible HTTP API's requests: their models and how a raw body becomes one (the body's
+reading and the error body: `deployments/openai_body.py`; responses: `deployments/openai_responses.py`).
 
 Policy (README, "Serving"): what tandem can honour is served; fields that change nothing it serves are
 accepted and ignored (each name logged once per process), unknown fields too, as vLLM does; what it
-cannot honour (n > 1, log probabilities, tools, ...) is accepted only at its default value
-and refused otherwise with a 400 that says why. The body is read with a size bound (413) and checked
-for nesting depth and unencodable strings before any model sees it, so no input reaches a layer that
-cannot hold it: integers and floats are bounded here to what protobuf and the verifier take (floats rounded to float32).
+cannot honour (tools, structured outputs, ...) is accepted only at its default value and refused
+otherwise with a 400 that says why. No input reaches a layer that cannot hold it: integers and floats
+are bounded here to what protobuf and the verifier take (floats rounded to float32).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import struct
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from cluster.core.processors import tokenize_bad_words
-from protos import MAX_REQUEST_BYTES
+from cluster.core.sampling import MAX_LOGPROBS, LogprobsMode
+from deployments.openai_body import ApiError, parse_json_object
 
 log = logging.getLogger(__name__)
 
-MAX_JSON_DEPTH = 64  # a chat request with content parts is 5 deep
 MAX_UINT32 = 2**32 - 1  # protobuf's uint32 (max_tokens, top_k, token ids)
 MIN_POSITIVE_FLOAT = 1e-6  # smallest positive temperature or top_p (protobuf's float would round some to 0)
 NOT_SERVED = "Not supported: "  # the description prefix of fields accepted only at their default
@@ -42,101 +39,6 @@ _PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
                             {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_UINT32},
                              "minItems": 1}]}
 _TEMPERATURE_SCHEMA = {"anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_POSITIVE_FLOAT, "maximum": 2}]}
-
-
-class ErrorBody(BaseModel):
-    message: str = Field(description="What is wrong, in one line.")
-    type: str = Field(description="`invalid_request_error` for a bad request, `server_error` otherwise.")
-    param: str | None = Field(description="The request field at fault, when one is.")
-    code: str | None = Field(description="A machine-readable code, when there is one (`invalid_api_key`, `model_not_found`, `unsupported_parameter`, `request_too_large`).")
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
-
-
-class ApiError(Exception):
-    """A request refused with an OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code, self.type)
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   type_: str = "invalid_request_error") -> JSONResponse:
-    body = ErrorResponse(error=ErrorBody(message=message, type=type_, param=param, code=code))
-    return JSONResponse(status_code=status, content=body.model_dump())
-
-
-# ---- reading the body -------------------------------------------------------------------------------
-
-
-def _too_large(size: str) -> ApiError:
-    return ApiError(413, f"the request body is {size} bytes; this server accepts at most {MAX_REQUEST_BYTES}",
-                    code="request_too_large")
-
-
-async def read_body(request) -> bytes:
-    """The raw body of a Starlette request, refused (413) once it passes MAX_REQUEST_BYTES."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
-        raise _too_large(declared)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_REQUEST_BYTES:
-            raise _too_large(f"more than {MAX_REQUEST_BYTES}")
-    return bytes(body)
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json_object(raw: bytes) -> dict:
-    """Strict JSON (no NaN / Infinity), a JSON object, at most MAX_JSON_DEPTH deep, every string
-    encodable as UTF-8 (JSON's \\ud800 escapes can name lone surrogates)."""
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-    except UnicodeDecodeError:
-        raise ApiError(400, "the request body is not valid UTF-8") from None
-    except RecursionError:
-        raise ApiError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except ValueError as e:  # JSONDecodeError, NaN / Infinity, an integer of more than 4300 digits
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    _check_tree(data)
-    return data
-
-
-def _encodable(text: str, path: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"{path}: the string holds a lone surrogate (\\ud800-\\udfff), which cannot be encoded "
-                            "as UTF-8", param=path) from None
-
-
-def _check_tree(data: dict) -> None:
-    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
-    while stack:
-        value, path, depth = stack.pop()
-        if isinstance(value, str):
-            _encodable(value, path)
-        elif isinstance(value, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise ApiError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
-                               param=path or None)
-            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-                if isinstance(key, str):
-                    _encodable(key, f"{path or 'body'} (a key)")
-                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
 
 
 def validation_error(e: ValidationError) -> ApiError:
@@ -251,6 +153,7 @@ class _Common(_Lenient):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_UINT32)]] | None = Field(None, max_length=MAX_TOKEN_LIST, description="Extension (vLLM): token ids that end generation (kept in `token_ids`).")
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS, description="Extension (vLLM): words never generated (each tokenized as vLLM does: as it is and after a space).")
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_UINT32)]] | None = Field(None, min_length=1, description="Extension (vLLM): only these token ids may be generated.")
+    logprobs_mode: LogprobsMode = Field("raw_logprobs", description="Extension (vLLM's names): where `logprobs` come from: `raw_logprobs`, the target's raw logits; `processed_logprobs`, the distribution each token was drawn from (logits processors, then temperature, min_p, top_k, top_p; greedy: the processors alone). The vLLM backend serves its server's `logprobs_mode` only.")
     include_stop_str_in_output: Literal[False] = not_served(False, "the stop string is never included in the output")
     skip_special_tokens: Literal[True] = not_served(True, "special tokens are always left out of the text")
     use_beam_search: Literal[False] = not_served(False, "beam search")
@@ -299,6 +202,10 @@ class _Common(_Lenient):
                     bad_words=tokenize_bad_words(tokenizer, self.bad_words or []),
                     allowed_token_ids=self.allowed_token_ids)
 
+    def logprob_fields(self) -> dict:
+        """`SamplingParams.logprobs` (None: none asked) and `logprobs_mode`."""
+        return dict(logprobs=self.num_logprobs(), logprobs_mode=self.logprobs_mode)
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -315,9 +222,9 @@ class CompletionRequest(_Common):
     """POST /v1/completions."""
 
     prompt: Annotated[str | list[int], WithJsonSchema(_PROMPT_SCHEMA)] = Field(description="A string, a list of one string, or token ids (each below the vocabulary size).")
-    logprobs: None = not_served(None, "log probabilities are not returned")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"Each generated token's log probability, with a dict of it and the N (0 .. {MAX_LOGPROBS}) most likely tokens at its position (vLLM's answer).")
     echo: Literal[False] = not_served(False, "the prompt is not echoed")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Served where it equals n (or is unset): ranking more candidates needs log probabilities.")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Served where it equals n (or is unset): ranking more candidates by log probability is not served.")
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> "CompletionRequest":
@@ -327,6 +234,9 @@ class CompletionRequest(_Common):
                            param="best_of", code="unsupported_parameter")
         return self
     suffix: str | None = not_served(None, "insertion (suffix); only an empty one is served", max_length=0)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -381,14 +291,23 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_UINT32, description="Alias of max_tokens (wins when both are set).")
-    logprobs: Literal[False] = not_served(False, "log probabilities are not returned")
-    top_logprobs: int | None = not_served(None, "log probabilities are not returned", ge=0, le=0)
+    logprobs: bool = Field(False, description="Return each generated token's log probability (`choices[].logprobs.content`).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"With `logprobs`: also the N (0 .. {MAX_LOGPROBS}) most likely tokens at each position.")
     tools: list[Any] | None = not_served(None, "tool calling; only an empty list is served", max_length=0)
     functions: list[Any] | None = not_served(None, "function calling; only an empty list is served", max_length=0)
     tool_choice: Literal["none"] | None = not_served(None, "tool calling; only 'none' is served")
     function_call: Literal["none"] | None = not_served(None, "function calling; only 'none' is served")
     response_format: ResponseFormat | None = not_served(None, "only {'type': 'text'} is served (no JSON mode or structured outputs)")
     parallel_tool_calls: bool | None = ignored("there are no tools.")
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 NOT_SERVED_REASONS = {name: info.description.removeprefix(NOT_SERVED)

@@ -18,6 +18,7 @@ from typing import Literal
 from cluster.core.sampling import SamplingParams
 from deployments.chunks import Chunk, ErrorChunk, FinishChunk, TokensChunk
 from deployments.openai_api import StreamOptions
+from deployments.openai_logprobs import LogprobFormat
 
 Kind = Literal["completion", "chat"]
 
@@ -132,8 +133,9 @@ async def merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int,
             await stream.aclose()
 
 
-def _choice(kind: Kind, index: int, text: str, finish: str | None, token_ids: list[int] | None) -> dict:
-    out: dict = {"index": index, "finish_reason": finish, "logprobs": None}
+def _choice(kind: Kind, index: int, text: str, finish: str | None, token_ids: list[int] | None,
+            logprobs: dict | None) -> dict:
+    out: dict = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if token_ids is not None:
         out["token_ids"] = token_ids
     if kind == "completion":
@@ -144,9 +146,11 @@ def _choice(kind: Kind, index: int, text: str, finish: str | None, token_ids: li
 
 
 async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
-                  prompt_tokens: int, return_token_ids: bool) -> dict | ErrorChunk:
-    """The non-streamed body of n choices, or the first error (the other choices are then stopped)."""
-    texts, ids = [""] * n, [[] for _ in range(n)]
+                  prompt_tokens: int, return_token_ids: bool,
+                  logprobs: LogprobFormat | None = None) -> dict | ErrorChunk:
+    """The non-streamed body of n choices, or the first error (the other choices are then stopped).
+    `logprobs`: the request asked for them (each choice's, of all its tokens)."""
+    texts, ids, lps = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
     finals: list[FinishChunk | None] = [None] * n
     async for i, chunk in chunks:
         match chunk:
@@ -155,11 +159,12 @@ async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, 
             case TokensChunk():
                 texts[i] += chunk.text
                 ids[i] += chunk.token_ids
+                lps[i] += chunk.logprobs or []
             case FinishChunk():
                 texts[i] += chunk.text
                 finals[i] = chunk
-    choices = [_choice(kind, i, texts[i], finals[i].finish_reason, ids[i] if return_token_ids else None)
-               for i in range(n)]
+    choices = [_choice(kind, i, texts[i], finals[i].finish_reason, ids[i] if return_token_ids else None,
+                       logprobs(lps[i]) if logprobs is not None else None) for i in range(n)]
     return {"id": request_id, "object": "text_completion" if kind == "completion" else "chat.completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(prompt_tokens, sum(f.completion_tokens for f in finals)),
@@ -167,13 +172,24 @@ async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, 
 
 
 async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
-              options: StreamOptions, prompt_tokens: int, return_token_ids: bool) -> AsyncIterator[str]:
+              options: StreamOptions, prompt_tokens: int, return_token_ids: bool,
+              logprobs: LogprobFormat | None = None) -> AsyncIterator[str]:
     """Server-sent events of n choices (each event carries one choice, by index); with
     `options.continuous_usage_stats` every event carries the usage so far, with `include_usage` a last
-    event carries the whole request's."""
+    event carries the whole request's. `logprobs`: the request asked for them; an event carries those of
+    the tokens whose text it carries (`TokensChunk.settled`), the finish those still held back."""
     created = int(time.time())
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     completion_tokens = 0
+    received, released, sent_text = [[] for _ in range(n)], [0] * n, [0] * n
+
+    def release(i: int, upto: int, text: str) -> dict | None:
+        """Choice i's logprobs of its tokens up to `upto` not sent yet, formatted (None: none)."""
+        entries = received[i][released[i]:upto]
+        released[i] = max(released[i], upto)
+        offset = sent_text[i]
+        sent_text[i] += len(text)
+        return logprobs(entries, offset) if logprobs is not None and entries else None
 
     def event(choices: list, **extra) -> str:
         if options.continuous_usage_stats:
@@ -181,14 +197,15 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, requ
         return "data: " + json.dumps({"id": request_id, "object": obj, "created": created, "model": model,
                                       "choices": choices, **extra}) + "\n\n"
 
-    def choice(i: int, text: str | None, finish: str | None, first: bool = False, token_ids=()) -> dict:
+    def choice(i: int, text: str | None, finish: str | None, first: bool = False, token_ids=(),
+               lp: dict | None = None) -> dict:
         if kind == "completion":
-            out = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+            out = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
         else:
             delta = {} if text is None else {"content": text}
             if first:
                 delta["role"] = "assistant"
-            out = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+            out = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
         if return_token_ids:
             out["token_ids"] = list(token_ids)
         return out
@@ -205,12 +222,15 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, requ
                 break
             case TokensChunk():
                 completion_tokens += len(chunk.token_ids)
-                if chunk.text or (return_token_ids and chunk.token_ids):
-                    yield event([choice(i, chunk.text, None, token_ids=chunk.token_ids)])
+                received[i] += chunk.logprobs or []
+                lp = release(i, chunk.settled, chunk.text)
+                if chunk.text or lp is not None or (return_token_ids and chunk.token_ids):
+                    yield event([choice(i, chunk.text, None, token_ids=chunk.token_ids, lp=lp)])
             case FinishChunk():
                 finals.append(chunk)
-                if chunk.text:
-                    yield event([choice(i, chunk.text, None)])
+                lp = release(i, len(received[i]), chunk.text)
+                if chunk.text or lp is not None:
+                    yield event([choice(i, chunk.text, None, lp=lp)])
                 yield event([choice(i, None if kind == "chat" else "", chunk.finish_reason)],
                             speculation=speculation(chunk.stats))
     else:

@@ -13,7 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.openai_body import ErrorResponse
 from protos import MAX_REQUEST_BYTES
 
 FinishReason = Literal["stop", "length"]
@@ -40,11 +41,36 @@ class Speculation(BaseModel):
     gamma_counts: list[int] = Field(description="Rounds that drafted γ tokens, indexed by γ.")
 
 
+class TopLogprob(BaseModel):
+    token: str = Field(description="The token, decoded alone.")
+    logprob: float = Field(description="Its log probability (-9999.0: none, a logits processor masks it).")
+    bytes: list[int] = Field(description="The token string's UTF-8 bytes.")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="The `top_logprobs` most likely tokens at this position, best first.")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(description="One per generated token (in a streamed chunk: those whose text it carries).")
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(description="The generated tokens, each decoded alone.")
+    token_logprobs: list[float] = Field(description="Each token's log probability.")
+    top_logprobs: list[dict[str, float]] = Field(description="Per token: it and the `logprobs` most likely tokens -> log probability.")
+    text_offset: list[int] = Field(description="Each token's offset in the text, counted over the token strings.")
+
+
+LOGPROBS = ("With `logprobs`: the target's log probabilities (`logprobs_mode`) of the generated tokens; "
+            "else null.")
+
+
 class CompletionChoice(BaseModel):
     index: int = Field(description="The choice (0 .. n-1).")
     text: str = Field(description="The generated text.")
     finish_reason: FinishReason = Field(description=FINISH)
-    logprobs: None = Field(None, description="Always null.")
+    logprobs: CompletionLogprobs | None = Field(None, description=LOGPROBS)
     token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
 
 
@@ -67,7 +93,7 @@ class ChatChoice(BaseModel):
     index: int = Field(description="The choice (0 .. n-1).")
     message: AssistantMessage
     finish_reason: FinishReason = Field(description=FINISH)
-    logprobs: None = Field(None, description="Always null.")
+    logprobs: ChatLogprobs | None = Field(None, description=LOGPROBS)
     token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
 
 
@@ -105,7 +131,7 @@ class CompletionChunkChoice(BaseModel):
     index: int = Field(description="The choice (0 .. n-1).")
     text: str = Field(description="New text since the previous chunk.")
     finish_reason: FinishReason | None = Field(description=f"Set on the last chunk: {FINISH}")
-    logprobs: None = Field(None, description="Always null.")
+    logprobs: CompletionLogprobs | None = Field(None, description=f"{LOGPROBS} Those of the tokens whose text this chunk carries.")
     token_ids: list[int] | None = Field(None, description=f"{TOKEN_IDS} New ones since the previous chunk.")
 
 
@@ -128,7 +154,7 @@ class ChatChunkChoice(BaseModel):
     index: int = Field(description="The choice (0 .. n-1).")
     delta: Delta
     finish_reason: FinishReason | None = Field(description=f"Set on the last chunk: {FINISH}")
-    logprobs: None = Field(None, description="Always null.")
+    logprobs: ChatLogprobs | None = Field(None, description=f"{LOGPROBS} Those of the tokens whose text this chunk carries.")
     token_ids: list[int] | None = Field(None, description=f"{TOKEN_IDS} New ones since the previous chunk.")
 
 

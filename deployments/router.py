@@ -41,6 +41,7 @@ class IncrementalText:
         self.stop = stop
         self.min_tokens = min_tokens
         self.sent = sent
+        self._settled = 0  # leading tokens whose text is wholly sent (`settled`)
 
     def full(self, token_ids: list[int]) -> str:
         """The whole text of `token_ids`, cut at the first stop string."""
@@ -55,6 +56,17 @@ class IncrementalText:
         while end > len(self.sent) and text[end - 1] == "\ufffd":
             end -= 1
         return self._emit(text[:end])
+
+    def settled(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` the text sent so far covers: a token whose text is held
+        back, or that ends in an incomplete character, is not covered yet."""
+        for n in range(self._settled + 1, len(token_ids) + 1):
+            text = self._text(token_ids[:n])
+            if len(text.rstrip("\ufffd")) > len(self.sent):
+                break
+            if not text.endswith("\ufffd") and len(text) <= len(self.sent):
+                self._settled = n
+        return self._settled
 
     def finish(self, final_text: str) -> str:
         return self._emit(final_text)
@@ -74,6 +86,7 @@ class _Committed:
 
     token_ids: list[int]
     stats: dict
+    logprobs: list | None  # where asked: those of token_ids
 
 
 class RouterDeployment:
@@ -124,10 +137,10 @@ class RouterDeployment:
         resume = resume or SessionProgress()
         stats = SpeculationStats(**resume.stats) if resume.stats else SpeculationStats(num_prompt_tokens=len(prompt_ids))
 
-        def on_tokens(tokens: list[int]) -> None:
+        def on_tokens(tokens: list[int], logprobs: list | None) -> None:
             if not first_token_s:
                 first_token_s.append(time.perf_counter() - t_start)
-            loop.call_soon_threadsafe(queue.put_nowait, _Committed(tokens, asdict(stats)))
+            loop.call_soon_threadsafe(queue.put_nowait, _Committed(tokens, asdict(stats), logprobs))
 
         def run() -> None:
             self._waiting -= 1
@@ -151,9 +164,11 @@ class RouterDeployment:
         try:
             while True:
                 match await queue.get():
-                    case _Committed(tokens, snapshot):
+                    case _Committed(tokens, snapshot, logprobs):
                         output.extend(tokens)
-                        yield TokensChunk(tokens, text.update(output), snapshot)
+                        delta = text.update(output)
+                        yield TokensChunk(tokens, delta, snapshot, logprobs,
+                                          0 if logprobs is None else text.settled(output))
                     case GenerationResult() as result:
                         stats = result.stats
                         decode_s = stats.total_s - (first_token_s[0] if first_token_s else stats.total_s)

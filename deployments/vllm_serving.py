@@ -35,7 +35,7 @@ from cluster.core.sampling import SamplingParams
 from cluster.model import models
 from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
-from cluster.vllm.engine import to_vllm_params
+from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params
 from cluster.vllm.proposer import PROPOSER_CLASS
 from cluster.vllm.protocol import DrafterSpec, RayDrafter, RequestKey
 from cluster.vllm.worker import WORKER_EXTENSION
@@ -166,7 +166,9 @@ class TandemLLMServer(_server_base()):
                                                                   _delta_params(sampling), request_id=session):
                 completion = out.outputs[0]
                 if completion.token_ids:
-                    yield StepTokens(list(completion.token_ids))
+                    logprobs = None if sampling.logprobs is None else \
+                        from_vllm_logprobs(completion.token_ids, completion.logprobs, sampling.logprobs)
+                    yield StepTokens(list(completion.token_ids), logprobs)
                 finish = completion.finish_reason or finish
                 spec = getattr(completion, "spec_decode_metrics", None) or spec
             reason = "stop" if finish == "stop" else "length"
@@ -271,7 +273,9 @@ class VLLMRouterDeployment:
                                 first_token_s = time.perf_counter() - t_start
                             output.extend(chunk.token_ids)
                             stats.num_generated_tokens = len(output)
-                            yield TokensChunk(chunk.token_ids, text.update(output), asdict(stats))
+                            delta = text.update(output)
+                            yield TokensChunk(chunk.token_ids, delta, asdict(stats), chunk.logprobs,
+                                              0 if chunk.logprobs is None else text.settled(output))
             stream = None
             stats.total_s += time.perf_counter() - t_start
             stats.num_generated_tokens = len(output)

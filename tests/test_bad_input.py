@@ -176,7 +176,10 @@ HTTP_CASES = [
     ("model-unknown", COMPLETIONS, _completion(model="gpt-4"), {}, 404, "does not exist"),
     ("n-17", COMPLETIONS, _completion(n=17), {}, 400, "less than or equal to 16"),
     ("best-of-3", COMPLETIONS, _completion(best_of=3), {}, 400, "best_of (3) must equal n (1)"),
-    ("logprobs-1", COMPLETIONS, _completion(logprobs=1), {}, 400, "log probabilities"),
+    ("logprobs-21", COMPLETIONS, _completion(logprobs=21), {}, 400, "less than or equal to 20"),
+    ("logprobs-negative", COMPLETIONS, _completion(logprobs=-1), {}, 400, "greater than or equal to 0"),
+    ("logprobs-mode-unknown", COMPLETIONS, _completion(logprobs=1, logprobs_mode="raw_logits"), {}, 400,
+     "logprobs_mode"),
     ("echo", COMPLETIONS, _completion(echo=True), {}, 400, "echo"),
     ("suffix", COMPLETIONS, _completion(suffix="x"), {}, 400, "suffix"),
     ("presence-penalty-3", COMPLETIONS, _completion(presence_penalty=3), {}, 400, "presence_penalty"),
@@ -219,8 +222,9 @@ HTTP_CASES = [
     ("chat-tool-choice", CHAT, _chat(tool_choice="auto"), {}, 400, "tool calling"),
     ("chat-functions", CHAT, _chat(functions=[{"name": "f"}]), {}, 400, "function calling"),
     ("chat-json-mode", CHAT, _chat(response_format={"type": "json_object"}), {}, 400, "structured outputs"),
-    ("chat-logprobs", CHAT, _chat(logprobs=True), {}, 400, "log probabilities"),
-    ("chat-top-logprobs", CHAT, _chat(top_logprobs=3), {}, 400, "log probabilities"),
+    ("chat-top-logprobs-without-logprobs", CHAT, _chat(top_logprobs=3), {}, 400, "needs logprobs: true"),
+    ("chat-top-logprobs-21", CHAT, _chat(logprobs=True, top_logprobs=21), {}, 400, "less than or equal to 20"),
+    ("chat-top-logprobs-negative", CHAT, _chat(logprobs=True, top_logprobs=-1), {}, 400, "greater than or equal to 0"),
     ("chat-max-completion-tokens-zero", CHAT, _chat(max_completion_tokens=0), {}, 400, "max_completion_tokens"),
     ("chat-n-0", CHAT, _chat(n=0), {}, 400, "greater than or equal to 1"),
     ("wrong-key", COMPLETIONS, _completion(), {"Authorization": "Bearer wrong"}, 401, "API key"),
@@ -394,8 +398,12 @@ def test_logits_processors_are_served_over_http_and_grpc(server, client):
 
 def test_refusals_name_the_field_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True)
-    assert info.value.param == "logprobs" and info.value.code == "unsupported_parameter"
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       tool_choice="auto")
+    assert info.value.param == "tool_choice" and info.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+    assert info.value.param == "top_logprobs"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi")
 

@@ -186,7 +186,7 @@ BAD_REQUESTS = [
     (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 100000}).encode(), 400, "context length"),
     (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
     (json.dumps({"model": MODEL, "prompt": "hi", "n": 17}).encode(), 400, "n"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 3}).encode(), 400, "logprobs"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 21}).encode(), 400, "logprobs"),
     (json.dumps({"model": MODEL, "prompt": "hi", "stop": [""]}).encode(), 400, "stop"),
     (json.dumps({"model": MODEL, "prompt": "hi " * 9000}).encode(), 400, "context length"),
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "empty"),
@@ -385,3 +385,89 @@ def test_prometheus_metrics_exported(server, client):
     assert not missing, f"not exported: {missing}"
     generated = [line for line in text.splitlines() if line.startswith("ray_tandem_generated_tokens_total{")]
     assert generated and float(generated[0].rsplit(" ", 1)[1]) >= MAX_TOKENS
+
+
+def _target_logprobs(model, prompt: list[int], output: list[int]):
+    """transformers' fp32 log-softmax at each output token's position  # [len(output), vocab_size]"""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(output)], dim=-1)
+
+
+def test_logprobs_chat_and_completions_streamed_and_not(client, tokenizer, target_fp32, prompt_ids, references):
+    """The target's raw logprobs (within 1e-4 of transformers') and top tokens in OpenAI's shapes; a stream
+    carries the same ones, each with the chunk that carries its text; the tokens are the reference's."""
+    import torch
+
+    ref = _ref(references, prompt_ids, 3)
+    expected = _target_logprobs(target_fp32, prompt_ids[3], ref)
+    top = torch.topk(expected, 3, dim=-1)
+    messages = [{"role": "user", "content": PROMPTS[3][0]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == ref and r.model_extra["speculation"]["drafted"] > 0
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in ref]
+    for j, c in enumerate(content):
+        assert abs(c.logprob - expected[j, ref[j]].item()) < 1e-4 and c.bytes == list(c.token.encode())
+        assert [t.token for t in c.top_logprobs] == [tokenizer.decode([i]) for i in top.indices[j].tolist()]
+        assert max(abs(t.logprob - v) for t, v in zip(c.top_logprobs, top.values[j].tolist())) < 1e-4
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            entries = choice.logprobs.content if choice.logprobs is not None else []
+            streamed += entries
+            text = "".join(e.token for e in entries if e.token != tokenizer.eos_token)
+            assert text == (choice.delta.content or ""), "a chunk carries the logprobs of the text it carries"
+    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+
+    ref = _ref(references, prompt_ids, 0)
+    expected = _target_logprobs(target_fp32, prompt_ids[0], ref)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ref] and lp.text_offset[0] == 0
+    assert max(abs(a - expected[j, t].item()) for j, (a, t) in enumerate(zip(lp.token_logprobs, ref))) < 1e-4
+    for j, entry in enumerate(lp.top_logprobs):  # the token and the 2 most likely
+        assert lp.tokens[j] in entry and 2 <= len(entry) <= 3
+        assert set(entry) >= {tokenizer.decode([i]) for i in torch.topk(expected[j], 2).indices.tolist()}
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS,
+                                                   temperature=0, logprobs=2, stream=True) if c.choices]
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+def test_logprobs_with_n_a_stop_string_and_grpc(server, client, tokenizer, prompt_ids, references):
+    """Sampled n=2: each choice's logprobs are those of its own tokens, and asking for them changes no token;
+    a stop string keeps those of the tokens kept; gRPC answers them with its token ids."""
+    messages = [{"role": "user", "content": PROMPTS[4][0]}]
+    common = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0.9, seed=5, n=2)
+    asked = client.chat.completions.create(**common, logprobs=True, extra_body={"return_token_ids": True})
+    plain = client.chat.completions.create(**common, extra_body={"return_token_ids": True})
+    for a, p in zip(sorted(asked.choices, key=lambda c: c.index), sorted(plain.choices, key=lambda c: c.index)):
+        ids = a.model_extra["token_ids"]
+        assert ids == p.model_extra["token_ids"] and p.logprobs is None
+        assert [c.token for c in a.logprobs.content] == [tokenizer.decode([t]) for t in ids]
+        assert all(c.top_logprobs == [] and c.logprob <= 0 for c in a.logprobs.content)
+    ref_text = tokenizer.decode(_ref(references, prompt_ids, 0), skip_special_tokens=True)
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
+                                      stop=["recursive"], logprobs=0, stream=stream,
+                                      extra_body={"return_token_ids": True})
+        choices = [c.choices[0] for c in r if c.choices] if stream else r.choices
+        ids = [t for c in choices for t in c.model_extra.get("token_ids") or []]
+        tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+        assert "".join(c.text for c in choices) == ref_text[: ref_text.index("recursive")]
+        assert tokens == [tokenizer.decode([t]) for t in ids] and len(ids) < MAX_TOKENS
+    request = pb.GenerateRequest(model=MODEL, prompt=PROMPTS[0][0], params=pb.SamplingParams(max_tokens=8, logprobs=2))
+    responses = list(rpc.GenerationStub(grpc.insecure_channel(server.grpc)).Generate(request, metadata=METADATA,
+                                                                                     timeout=300))
+    for response in responses:
+        assert [t.token_id for t in response.logprobs] == list(response.token_ids)
+        assert all(len(t.top_ids) == 2 and t.top_ids[0] == t.token_id for t in response.logprobs)
+    assert sum(len(r.token_ids) for r in responses) == 8

@@ -344,3 +344,37 @@ def test_proposer_counters_in_prometheus(client):
     assert lines and float(lines[0].rsplit(" ", 1)[1]) > 0
     requests = [line for line in text.splitlines() if line.startswith("ray_tandem_requests_total{")]
     assert requests
+
+
+def test_logprobs_are_vllms_raw_ones(server, client, tokenizer, target_fp32, prompt_ids, references):
+    """vLLM's raw logprobs (its server's logprobs_mode, the default) pass through in the torch engine's
+    shapes: the target's log-softmax (fp32 here: within 2e-3 of transformers', another kernel), streamed
+    and not, chat and completions; the other mode is refused with a 400 that says why."""
+    import torch
+
+    ref = _ref(references, prompt_ids, 3)
+    with torch.inference_mode():
+        logits = target_fp32(torch.tensor([prompt_ids[3] + ref])).logits[0].float()
+    expected = torch.log_softmax(logits[len(prompt_ids[3]) - 1: -1], dim=-1)
+    messages = [{"role": "user", "content": PROMPTS[3][0]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].model_extra["token_ids"] == ref and r.model_extra["speculation"]["drafted"] > 0
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in ref]
+    for j, c in enumerate(content):
+        assert abs(c.logprob - expected[j, ref[j]].item()) < 2e-3, j
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy: the token is the best
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for chunk in stream for choice in chunk.choices if choice.logprobs for e in choice.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=8, temperature=0, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert all(t in entry and len(entry) == 1 for t, entry in zip(lp.tokens, lp.top_logprobs))  # greedy: top 1 = it
+    with pytest.raises(openai.BadRequestError, match="logprobs_mode") as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=1,
+                                  extra_body={"logprobs_mode": "processed_logprobs"})
+    assert "raw_logprobs" in str(info.value)

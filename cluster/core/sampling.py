@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.core.errors import InvalidRequestError, validation_message
 
 MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids
+MAX_LOGPROBS = 20  # most likely alternatives returned per token (OpenAI's and vLLM's bound)
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]  # vLLM's names (`cluster.core.logprobs`)
 
 
 class SamplingParams(BaseModel):
@@ -41,6 +43,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_TOKEN_LIST, description="Token ids that end generation (kept in the output, as EOS).")
     bad_words: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=128, description="Token sequences never generated: a sequence's last token is masked where the output ends with the rest of it.")
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=1 << 20, description="Only these token ids may be generated.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output token's log probability and its this many most likely alternatives; None: none (nothing computed).")
+    logprobs_mode: LogprobsMode = Field("raw_logprobs", description="Which distribution `logprobs` come from (vLLM's names): `raw_logprobs`, the target's raw logits; `processed_logprobs`, the one the token was drawn from (processors, temperature, min_p, top-k, top-p).")
     # set by the decoding engine for a session, not by clients (`for_session`)
     prompt_length: int | None = Field(None, ge=0, description="Internal: how many leading committed tokens are the prompt (None: those a session opens with).")
     eos_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64, description="Internal: the model's end-of-sequence ids (held back by min_tokens).")

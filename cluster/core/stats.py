@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.core.logprobs import TokenLogprob
 
 
 @dataclass
@@ -83,3 +87,5 @@ class GenerationResult:
     text: str
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: SpeculationStats
+    logprobs: list[TokenLogprob] | None = None  # asked for (`SamplingParams.logprobs`): one per token this
+    # run committed (a resumed session's output prefix has none here)

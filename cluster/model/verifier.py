@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.core.errors import InvalidRequestError
+from cluster.core.logprobs import TokenLogprob, token_logprobs
 from cluster.core.processors import process_sequence
 from cluster.core.rejection import rejection_sample
 from cluster.core.sampling import SamplingParams
@@ -61,6 +62,8 @@ class RoundResult:
     # only): rows for positions feature_start ..  # [m, H] bf16
     features: torch.Tensor | None = None
     feature_start: int = 0
+    # sessions whose params ask for `logprobs`: one per output token, the target's at its position
+    logprobs: list[TokenLogprob] | None = None
 
 
 Callback = Callable[[RoundResult | Exception], None]
@@ -264,6 +267,9 @@ class VerifierEngine:
                                   start_position=state.num_tokens)
         out = RoundResult(sid, rnd.round, rnd.epoch, result.num_accepted, result.output_token_ids,
                           result.recovered, result.bonus, verify_start=start, verify_end=end)
+        if state.params.logprobs is not None:  # output token j was drawn from row j
+            rows = scored if state.params.logprobs_mode == "processed_logprobs" else dists
+            out.logprobs = token_logprobs(rows[: len(result.output_token_ids)], result.output_token_ids, state.params)
         if state.features:
             hidden = self.runner.hidden.pop(sid, None)
             m = num_fed_committed + result.num_accepted  # fed tokens now committed
@@ -289,7 +295,7 @@ class VerifierEngine:
         num_prefix = len(state.uncached)
         fed_start = state.num_tokens - num_prefix
         head = [] if num_prefix else [state.next_logits[None]]
-        dists = torch.cat(head + [rows[max(0, num_prefix - 1):]])  # [n + 1, vocab_size]: root, then each node
+        raw = dists = torch.cat(head + [rows[max(0, num_prefix - 1):]])  # [n + 1, vocab_size]: root, then each node
         if state.tokens is not None:  # each node's row continues the committed tokens + its path
             dists = process_sequence(dists, state.params, state.tokens,
                                      [[]] + [tree.path_tokens(tree.path(i)) for i in range(len(tree))])
@@ -297,6 +303,11 @@ class VerifierEngine:
         self.runner.keep_tree_path(sid, state.num_tokens, result.node_path)  # uncached tokens now cached
         out = RoundResult(sid, rnd.round, rnd.epoch, result.num_accepted, result.output_token_ids,
                           result.recovered, result.bonus, verify_start=start, verify_end=end)
+        if state.params.logprobs is not None:  # output token 0 drawn at the root, token j > 0 after node_path[j - 1]
+            rows = dists if state.params.logprobs_mode == "processed_logprobs" else raw
+            index = torch.tensor([0] + [1 + i for i in result.node_path], dtype=torch.long)
+            out.logprobs = token_logprobs(rows[index[: len(result.output_token_ids)].to(rows.device)],
+                                          result.output_token_ids, state.params)
         if state.features:
             hidden = self.runner.hidden.pop(sid)  # [num_prefix + n, H]: the prefix, then the tree's nodes
             path = torch.tensor([num_prefix + i for i in result.node_path], dtype=torch.long)

@@ -151,10 +151,10 @@ class Router:
                  cancelled: threading.Event | None = None, max_speculative_tokens: int | None = None,
                  output_prefix: Sequence[int] = (), stats: SpeculationStats | None = None,
                  validated: bool = False) -> GenerationResult:
-        """Run one request to its end. `on_tokens(new_output_tokens)` is called as tokens are committed;
-        setting `cancelled` ends the request early (finish reason "cancelled") and frees its state;
-        `max_speculative_tokens` caps the drafts of every round of this request, long match rounds included
-        (0 = plain decoding).
+        """Run one request to its end. `on_tokens(new_output_tokens, their logprobs or None)` is called as
+        tokens are committed; setting `cancelled` ends the request early (finish reason "cancelled") and
+        frees its state; `max_speculative_tokens` caps the drafts of every round of this request, long match
+        rounds included (0 = plain decoding).
 
         Resuming a session another router carried (failover): `output_prefix` is the output it had
         already committed (the session goes on from prompt + prefix, and stop strings, EOS and
@@ -176,7 +176,8 @@ class Router:
             finish = StopChecker(self.tokenizer, self.eos_token_ids, params).commit(done, list(output_prefix))
             if finish:
                 stats.num_generated_tokens = len(done)
-                return GenerationResult(done, StopChecker(self.tokenizer, (), params).text(done), finish, stats)
+                return GenerationResult(done, StopChecker(self.tokenizer, (), params).text(done), finish, stats,
+                                        None if params.logprobs is None else [])
         t_start = time.perf_counter()
         max_gamma = self.num_speculative_tokens if max_speculative_tokens is None else \
             min(self.num_speculative_tokens, max_speculative_tokens)
@@ -241,4 +242,5 @@ class Router:
                 drafter.release()
         stats.num_generated_tokens = len(output)
         stats.total_s = time.perf_counter() - t_start
-        return GenerationResult(output, StopChecker(self.tokenizer, (), params).text(output), finish, stats)
+        return GenerationResult(output, StopChecker(self.tokenizer, (), params).text(output), finish, stats,
+                                state.logprobs)

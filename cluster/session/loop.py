@@ -41,11 +41,13 @@ __all__ = ["CostEstimates", "InFlight", "LoopConfig", "LoopMetrics", "RoundTimin
 class SessionLoop:
     def __init__(self, state: SessionState, drafter: DrafterPort | None, stops: StopChecker, config: LoopConfig,
                  estimates: CostEstimates, metrics: LoopMetrics,
-                 on_tokens: Callable[[list[int]], None] | None = None,
+                 on_tokens: Callable[[list[int], list | None], None] | None = None,
                  cancelled: threading.Event | None = None, timeline: list[RoundTiming] | None = None,
                  own_match: OwnMatch | None = None):
-        """`own_match`: a sequential round (or a plain step the policy chose) whose committed tokens' own
-        suffix matches long enough sends the match, drafted here: no drafter call (the hybrid's long match rounds)."""
+        """`on_tokens(tokens, logprobs)`: each commit's output tokens and, where the params ask for them,
+        their logprobs (else None). `own_match`: a sequential round (or a plain step the policy chose) whose
+        committed tokens' own suffix matches long enough sends the match, drafted here: no drafter call (the
+        hybrid's long match rounds)."""
         self.state, self.drafter, self.stops, self.config = state, drafter, stops, config
         self.own_match = own_match
         self.estimates, self.metrics = estimates, metrics
@@ -247,8 +249,13 @@ class SessionLoop:
                 other.stale = True
         before = len(s.output)
         finish = self.stops.commit(s.output, new_tokens)
-        if self.on_tokens is not None and len(s.output) > before:
-            self.on_tokens(s.output[before:])
+        kept = len(s.output) - before  # a stop may keep only a prefix of the round's tokens
+        logprobs = None
+        if s.logprobs is not None and result.logprobs is not None:
+            logprobs = result.logprobs[:kept]
+            s.logprobs.extend(logprobs)
+        if self.on_tokens is not None and kept > 0:
+            self.on_tokens(s.output[before:], logprobs)
         if finish:
             return finish
         if p.fill is not None and timing.round == p.fill[0]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.core.logprobs import TokenLogprob
 from cluster.core.messages import FeatureLog, SyncOp
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import SpeculationStats, ema
@@ -154,6 +155,11 @@ class SessionState:
     features: FeatureLog | None = None  # a feature-fed draft: the target's features of committed positions
     max_drafts: int | None = None  # the request's own cap on drafts in any round; None: a long match round
     # (the hybrid's `match_tokens`) may draft more than max_gamma
+    logprobs: list[TokenLogprob] | None = None  # the params ask for logprobs: those of the tokens committed here
+
+    def __post_init__(self) -> None:
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     def take_sync(self) -> list[SyncOp]:
         ops, self.sync = self.sync, []

@@ -42,6 +42,7 @@ _env_defaults()  # before anything imports vllm
 
 from cluster.core.config import EngineConfig  # noqa: E402
 from cluster.core.errors import ConfigError, InvalidRequestError  # noqa: E402
+from cluster.core.logprobs import TokenLogprob  # noqa: E402
 from cluster.core.sampling import SamplingParams  # noqa: E402
 from cluster.model import models  # noqa: E402
 from cluster.ray.drafter import launch_drafter  # noqa: E402
@@ -82,7 +83,17 @@ def to_vllm_params(params: SamplingParams, **extra):
                    ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
                    frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
                    min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids) or None,
-                   allowed_token_ids=params.allowed_token_ids, **extra)
+                   allowed_token_ids=params.allowed_token_ids, logprobs=params.logprobs, **extra)
+
+
+def from_vllm_logprobs(token_ids: Sequence[int], logprobs, top: int) -> list[TokenLogprob]:
+    """vLLM's logprobs of a completion's tokens (per token a dict token id -> `Logprob`: the token's own
+    and the `top` most likely ones, ranked) as tandem's, the top ones best first."""
+    out = []
+    for token_id, entries in zip(token_ids, logprobs):
+        ranked = sorted((lp.rank, i, lp.logprob) for i, lp in entries.items() if lp.rank is not None and lp.rank <= top)
+        out.append(TokenLogprob(int(token_id), entries[token_id].logprob, tuple((i, lp) for _, i, lp in ranked)))
+    return out
 
 
 class VLLMEngine:
@@ -191,12 +202,14 @@ class VLLMEngine:
         elapsed = time.perf_counter() - t0
         after = self.spec_metrics() if self.method else None
         results = []
-        for ids, out in zip(prompts, outputs):
+        for ids, p, out in zip(prompts, params_list, outputs):
             completion = out.outputs[0]
             stats = SpeculationStats(num_prompt_tokens=len(ids), num_generated_tokens=len(completion.token_ids),
                                      total_s=elapsed)
-            results.append(GenerationResult(list(completion.token_ids), completion.text,
-                                            "stop" if completion.finish_reason == "stop" else "length", stats))
+            logprobs = None if p.logprobs is None else \
+                from_vllm_logprobs(completion.token_ids, completion.logprobs, p.logprobs)
+            finish = "stop" if completion.finish_reason == "stop" else "length"
+            results.append(GenerationResult(list(completion.token_ids), completion.text, finish, stats, logprobs))
         if after is not None:
             drafted = after["draft_tokens"] - before["draft_tokens"]
             accepted = after["accepted_tokens"] - before["accepted_tokens"]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from cluster.core.errors import InvalidRequestError
+from cluster.core.logprobs import TokenLogprob
 from cluster.core.messages import SparseRow
 from cluster.core.sampling import SamplingParams
 from cluster.model.verifier import Round, RoundResult
@@ -32,7 +33,16 @@ def params_to_pb(params: SamplingParams):
         msg.repetition_penalty = params.repetition_penalty
     if params.prompt_length is not None:
         msg.prompt_length = params.prompt_length
+    if params.logprobs is not None:
+        msg.logprobs, msg.logprobs_mode = params.logprobs, params.logprobs_mode
     return msg
+
+
+def logprob_fields_from_pb(msg) -> dict:
+    """`logprobs` and `logprobs_mode` of a pb.SamplingParams as `SamplingParams` keywords (the public
+    `Generation` API's too)."""
+    return dict(logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                logprobs_mode=msg.logprobs_mode or "raw_logprobs")
 
 
 def processor_fields_from_pb(msg) -> dict:
@@ -53,7 +63,7 @@ def params_from_pb(msg) -> SamplingParams:
     return SamplingParams.build(
         max_tokens=max(1, msg.max_tokens), temperature=msg.temperature, top_p=msg.top_p or 1.0,
         top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
-        ignore_eos=msg.ignore_eos, **processor_fields_from_pb(msg),
+        ignore_eos=msg.ignore_eos, **processor_fields_from_pb(msg), **logprob_fields_from_pb(msg),
         prompt_length=msg.prompt_length if msg.HasField("prompt_length") else None,
         eos_token_ids=list(msg.eos_token_ids))
 
@@ -109,6 +119,7 @@ def result_to_pb(r: RoundResult, active_sessions: int = 0):
                           active_sessions=active_sessions)
     if r.features is not None:
         msg.features.CopyFrom(features_to_pb(r.feature_start, r.features))
+    msg.logprobs.extend(logprobs_to_pb(r.logprobs or ()))
     return msg
 
 
@@ -118,7 +129,18 @@ def result_from_pb(msg) -> tuple[RoundResult, int]:
                          msg.recovered, msg.bonus, msg.stale, msg.verify_start, msg.verify_end)
     if msg.HasField("features"):
         result.feature_start, result.features = features_from_pb(msg.features)
+    if msg.logprobs:
+        result.logprobs = logprobs_from_pb(msg.logprobs)
     return result, msg.active_sessions
+
+
+def logprobs_to_pb(logprobs: Sequence[TokenLogprob]) -> list:
+    return [pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob, top_ids=[i for i, _ in t.top],
+                            top_logprobs=[lp for _, lp in t.top]) for t in logprobs]
+
+
+def logprobs_from_pb(msgs) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token_id, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for m in msgs]
 
 
 # -- the target's features (for a feature-fed draft) --------------------------------------------

@@ -1,0 +1,53 @@
+"""The `logprobs` of the OpenAI responses, from the target's `TokenLogprob`s, written as vLLM writes them.
+
+Each token's string is that token decoded alone; -inf (a token a logits processor masks) is written as
+-9999.0 (JSON has no infinity). Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`,
+the top ones the N most likely, best first. Completions: `{"tokens", "token_logprobs", "top_logprobs",
+"text_offset"}`, each `top_logprobs` entry a dict of the token itself and the N most likely tokens, and
+`text_offset` each token's offset in the text, counted over the token strings from where the chunk's
+text starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from cluster.core.logprobs import TokenLogprob
+
+FLOOR = -9999.0  # vLLM's stand-in for -inf
+
+
+class LogprobFormat:
+    """Formats one request's logprobs for its endpoint (`kind`)."""
+
+    def __init__(self, tokenizer, kind: Literal["completion", "chat"]):
+        self.tokenizer, self.kind = tokenizer, kind
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def __call__(self, entries: Sequence[TokenLogprob], text_offset: int = 0) -> dict:
+        return self.chat(entries) if self.kind == "chat" else self.completion(entries, text_offset)
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        token = self.token(token_id)
+        return {"token": token, "logprob": max(logprob, FLOOR), "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    def chat(self, entries: Sequence[TokenLogprob]) -> dict:
+        return {"content": [{**self._entry(t.token_id, t.logprob),
+                             "top_logprobs": [self._entry(i, lp) for i, lp in t.top]} for t in entries]}
+
+    def completion(self, entries: Sequence[TokenLogprob], text_offset: int = 0) -> dict:
+        tokens, offsets, tops = [], [], []
+        for t in entries:
+            token = self.token(t.token_id)
+            offsets.append(text_offset)
+            text_offset += len(token)
+            tokens.append(token)
+            top = {token: max(t.logprob, FLOOR)}
+            for i, lp in t.top:
+                top[self.token(i)] = max(lp, FLOOR)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [max(t.logprob, FLOOR) for t in entries], "top_logprobs": tops,
+                "text_offset": offsets}

@@ -40,7 +40,7 @@ generate: models
 
 TEST_WORKERS ?= 2
 test: models
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: models
 	$(BIN)/python -m tools bench --prompts 8 --max-tokens 128 --json bench-single.json

@@ -19,11 +19,12 @@ from drafts.draft_model import quantized_copy
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if _WORKER else "2")))
 
-# The longest modules first (measured: a clean-clone run, --durations), so that two workers finish
+# The longest modules first (measured: a clean-clone run, --durations; `make test` keeps this order with
+# --no-loadscope-reorder, xdist would otherwise start the modules with the most tests), so that two workers finish
 # together instead of one running the last long module alone.
 LONGEST_FIRST = ("test_greedy_equality", "test_distributed", "test_failover", "test_sampling_e2e", "test_vllm",
                  "test_serving", "test_drafts", "test_hybrid", "test_vllm_serving", "test_bad_input",
-                 "test_feature_draft", "test_fuzz", "test_feature_serving", "test_processors")
+                 "test_feature_draft", "test_fuzz", "test_feature_serving", "test_logprobs", "test_processors")
 
 
 def pytest_collection_modifyitems(config, items):

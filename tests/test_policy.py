@@ -73,8 +73,8 @@ def test_the_measured_verify_cost_curve_decides_whether_speculation_pays():
 
 
 def test_the_loop_measures_the_verify_cost_curve(target_fp32, draft_int8, tokenizer):
-    """An adaptive session whose rounds are all one size spends one plain round to see a second size, so
-    the curve is fitted; the output is the target's either way."""
+    """An adaptive session sees at least two round sizes (when all its rounds are one size it spends one
+    plain round for a second), so the curve is fitted; the output is the target's either way."""
     from cluster.model.runner import TorchModelRunner
     from cluster.core.sampling import SamplingParams
     from cluster.session.speculate import SpeculativeDecoder
@@ -88,7 +88,7 @@ def test_the_loop_measures_the_verify_cost_curve(target_fp32, draft_int8, tokeni
     result = decoder.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
     reference = greedy_references(target_fp32, [prompt], 24)[tuple(prompt)]
     assert len(reference) > 8 and result.token_ids[: len(reference)] == reference
-    assert 0 in decoder.estimates.verify_by_drafts and len(decoder.estimates.verify_by_drafts) >= 2
+    assert len(decoder.estimates.verify_by_drafts) >= 2  # a plain round, or γ chosen smaller on its own
     assert decoder.estimates.verify_token_cost is not None
 
 

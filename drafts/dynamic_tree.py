@@ -24,6 +24,15 @@ class Candidate:
     depth: int
 
 
+def path_tokens(candidates: list[Candidate], node: int) -> list[int]:
+    """The tokens from the root's first child down to `node` (none for ROOT)."""
+    path = []
+    while node != ROOT:
+        path.append(candidates[node].token)
+        node = candidates[node].parent
+    return path[::-1]
+
+
 def frontier(candidates: list[Candidate], new: range, width: int) -> list[int]:
     """The `width` best candidates among those of the newest depth (indices `new`), best first."""
     return sorted(new, key=lambda i: -candidates[i].score)[:width]

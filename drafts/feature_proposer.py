@@ -25,8 +25,8 @@ import torch
 
 from cluster.core.processors import process_sequence
 from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
-from cluster.core.tree import first_chain
-from drafts.dynamic_tree import ROOT, Candidate, frontier, select_tree
+from cluster.core.tree import additive_mask, first_chain
+from drafts.dynamic_tree import ROOT, Candidate, frontier, path_tokens, select_tree
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 
 FEATURE_DRAFT = "feature"  # engine.draft shorthand: the feature-fed draft shipped in drafts/trained
@@ -195,7 +195,7 @@ class FeatureProposer(SequenceProposer):
         rows: list[int] = [ROOT]  # the candidate each row of `feats` belongs to (ROOT: the root)
         slots: dict[int, int] = {}  # expanded candidate -> its entry in the cache, after `base`
         for depth in range(k):
-            paths = [self._path(cands, r) for r in rows]
+            paths = [path_tokens(cands, r) for r in rows]
             logq, ids = self._log_q(feats, params, tokens, paths)  # [f, K]
             top = logq.topk(min(width, logq.shape[-1]), dim=-1)
             first = len(cands)
@@ -214,14 +214,6 @@ class FeatureProposer(SequenceProposer):
         token_ids, parents = select_tree(cands, self.tree_tokens)
         tokens.extend(first_chain(token_ids, parents))
         return DraftProposal(token_ids, None, parents)
-
-    @staticmethod
-    def _path(cands: list[Candidate], node: int) -> list[int]:
-        path = []
-        while node != ROOT:
-            path.append(cands[node].token)
-            node = cands[node].parent
-        return path[::-1]
 
     def _expand(self, st: _State, base: int, cands: list[Candidate], nodes: list[int], parents: list[int],
                 feats: torch.Tensor, slots: dict[int, int], n: int) -> torch.Tensor:
@@ -242,8 +234,8 @@ class FeatureProposer(SequenceProposer):
                 a = cands[a].parent
             slots[c] = cached + i
             allowed[i, slots[c]] = True
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
-        hidden, _ = self.draft(inputs[None], ids, past=st.cache, pos=pos, mask=mask[None, None].to(self.device))
+        mask = additive_mask(allowed, self.dtype)[None, None].to(self.device)
+        hidden, _ = self.draft(inputs[None], ids, past=st.cache, pos=pos, mask=mask)
         return hidden[0]
 
     @torch.inference_mode()

@@ -32,10 +32,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from cluster.core.tree import additive_mask
 from cluster.model import models
 from drafts.eagle3_model import KIND, META, WEIGHTS, Eagle3Draft
 from drafts.training.distill import frequent_vocab
@@ -103,7 +105,7 @@ def ttt_forward(target, draft: Eagle3Draft, ids: torch.Tensor, steps: int):
     inputs, logits = [u0], []
     for j in range(steps):
         allowed = ttt_mask(n, j)
-        mask = torch.zeros(allowed.shape, dtype=u0.dtype).masked_fill(~allowed, torch.finfo(u0.dtype).min)
+        mask = additive_mask(allowed, u0.dtype)
         pos = torch.arange(n).repeat(j + 1)[None]
         g, _ = draft(torch.cat(inputs, 1), tokens.repeat(1, j + 1), pos=pos, mask=mask[None, None])
         g = g[:, j * n:]  # [B, n, H]: this step's entries
@@ -193,7 +195,9 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
         scheduler.load_state_dict(state["scheduler"])
         step, minutes_before = state["step"], state["minutes"]
         log.info("resuming at step %d of %d", step, config.steps)
-    sets = eval_sets if eval_sets is not None else _eval_sets(target, tokenizer, _EvalShape(config), out)
+    shape = SimpleNamespace(eval_humaneval=config.eval_humaneval, eval_chat=config.eval_chat,
+                            eval_new_tokens=config.eval_new_tokens)  # the fields `_eval_sets` reads
+    sets = eval_sets if eval_sets is not None else _eval_sets(target, tokenizer, shape, out)
     valid = answer[:, 2:]  # entry t predicts token t + 2
     valid = torch.cat([valid, torch.zeros(len(valid), 1, dtype=torch.bool)], 1)  # [N, W - 1]
     per_epoch = max(1, len(ids) // config.batch_size)
@@ -231,14 +235,6 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
     if last is None:
         last = json.loads((out / CURVE).read_text().splitlines()[-1])
     return export(target, draft, out, config, manifest, names, len(ids), step, last)
-
-
-class _EvalShape:
-    """The fields `feature_draft._eval_sets` reads, from an Eagle3Config."""
-
-    def __init__(self, config: Eagle3Config):
-        self.eval_humaneval, self.eval_chat, self.eval_new_tokens = (config.eval_humaneval, config.eval_chat,
-                                                                     config.eval_new_tokens)
 
 
 def export(target, draft: Eagle3Draft, out: Path, config: Eagle3Config, manifest, names, windows, step, last) -> dict:

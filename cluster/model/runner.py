@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from cluster.core.errors import InvalidRequestError, TandemError
+from cluster.core.tree import additive_mask
 
 if TYPE_CHECKING:
     from cluster.core.tree import TokenTree
@@ -274,7 +275,7 @@ class TorchModelRunner:
             else:
                 position_ids[i] = torch.arange(start, start + new)
                 allowed[i, :n_i, past:past + n_i] = torch.ones(n_i, n_i, dtype=torch.bool).tril()
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        mask = additive_mask(allowed, self.dtype)
         cache = self._left_padded_cache(states, lengths, past, new)
         dev = self.device
         logits = self._forward(sessions, counts, 0, input_ids=input_ids.to(dev), position_ids=position_ids.to(dev),
@@ -340,7 +341,7 @@ class TorchModelRunner:
         allowed[:num_prefix, start:base] = torch.ones(num_prefix, num_prefix, dtype=torch.bool).tril()
         allowed[num_prefix:, start:base] = True
         allowed[num_prefix:, base:] = tree.attention_mask()
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        mask = additive_mask(allowed, self.dtype)
         return self._forward([session], [num_prefix + n], 0, input_ids=input_ids,
                              position_ids=positions[None].to(self.device),
                              attention_mask=mask[None, None].to(self.device),  # [1, 1, P + n, total]

@@ -52,12 +52,19 @@ async def resumable_stream(router, prompt_ids: list[int], params: SamplingParams
         try:
             stream = router.options(stream=True).generate.remote(
                 prompt_ids, params, max_speculative_tokens, progress if attempt else None)
-            async with asyncio.timeout_at(deadline):
-                async for chunk in stream:
-                    if isinstance(chunk, TokensChunk):
-                        progress.add(chunk)
-                    yield chunk
-            return
+            chunks = aiter(stream)
+            while True:
+                # the deadline covers the wait for the next chunk only: a timeout scope held across the
+                # `yield` would cancel the caller's task wherever it is (writing the HTTP stream, say),
+                # and the response would be cut off instead of ending with the "timeout" error event
+                async with asyncio.timeout_at(deadline):
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        return
+                if isinstance(chunk, TokensChunk):
+                    progress.add(chunk)
+                yield chunk
         except BackPressureError:
             stream = None  # never assigned to a replica: nothing to cancel (cancel() would raise it again)
             yield ErrorChunk("overloaded", "the server is at capacity (its request queue is full); retry shortly")

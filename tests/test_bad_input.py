@@ -443,7 +443,9 @@ def test_past_the_queue_bound_requests_are_refused_at_once(server):
     import concurrent.futures
     import time
 
-    tokens = 24  # long enough that all 8 arrive while the first ones run, short enough to end inside 8 s
+    # long enough that all 8 arrive while the first ones run (a second or more: 12 fp32 steps), short enough
+    # to end inside the 8 s deadline on a loaded CI machine (24 tokens did not, with another worker running)
+    tokens = 12
     long = _completion(max_tokens=tokens, ignore_eos=True, temperature=0)
     headers = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -46,6 +46,7 @@ from deployments.metrics import TandemMetrics
 from deployments.router import IncrementalText
 
 log = logging.getLogger(__name__)
+PROPOSER_STATS_TIMEOUT_S = 5.0  # the proposer-counter RPC made at each health check (metrics only)
 
 PROPOSER_KINDS = ("hits", "misses", "drafted_rows", "empty_rows", "empty_late", "empty_failed", "drafter_failures",
                   "proposer_errors")
@@ -73,7 +74,9 @@ def llm_config(config: TandemAppConfig):
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(config.tensor_parallel_size))
     spec = config.verifier
     deployment = {"max_ongoing_requests": spec.max_ongoing_requests, "max_queued_requests": spec.max_queued_requests,
-                  "health_check_period_s": 10, "ray_actor_options": {"num_cpus": 0},
+                  # Serve LLM's own health-check timeout is 10 s: a CPU replica busy stepping (a drafter being
+                  # replaced, another job on the machine) can take longer to answer, and three misses stop it
+                  "health_check_period_s": 10, "health_check_timeout_s": 60, "ray_actor_options": {"num_cpus": 0},
                   **spec.replica_options()}
     return LLMConfig(model_loading_config={"model_id": config.model_id, "model_source": str(path)},
                      placement_group_config={"bundles": [bundle] * config.tensor_parallel_size,
@@ -188,9 +191,9 @@ class TandemLLMServer(_server_base()):
     async def _record_proposer(self) -> None:
         if not self.speculative:
             return
-        try:
-            stats = (await self.collective_rpc("tandem_stats"))[0]
-        except Exception:  # noqa: BLE001 - metrics must not fail a request
+        try:  # bounded: the engine answers between steps, and a health check must not wait on metrics
+            stats = (await asyncio.wait_for(self.collective_rpc("tandem_stats"), PROPOSER_STATS_TIMEOUT_S))[0]
+        except Exception:  # noqa: BLE001 - metrics must not fail a request or a health check
             log.debug("tandem_stats", exc_info=True)
             return
         for kind in PROPOSER_KINDS:

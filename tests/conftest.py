@@ -23,13 +23,53 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if _WORKER e
 # --no-loadscope-reorder, xdist would otherwise start the modules with the most tests), so that two workers finish
 # together instead of one running the last long module alone.
 LONGEST_FIRST = ("test_greedy_equality", "test_distributed", "test_failover", "test_sampling_e2e", "test_vllm",
-                 "test_serving", "test_drafts", "test_hybrid", "test_vllm_serving", "test_bad_input",
-                 "test_feature_draft", "test_fuzz", "test_feature_serving", "test_logprobs", "test_processors")
+                 "test_serving", "test_bad_input", "test_drafts", "test_hybrid", "test_vllm_serving",
+                 "test_feature_draft", "test_feature_serving", "test_logprobs", "test_processors")
+# Modules that start vLLM engines (each a Ray cluster, an engine core and its KV cache, GBs of memory): never two
+# at once on the two workers. A CI run lost a vLLM verifier replica while both ran beside each other's load.
+ONE_AT_A_TIME = ("test_vllm", "test_vllm_serving")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (one module per worker at a time, in LONGEST_FIRST order), except that a worker
+    never starts a module of ONE_AT_A_TIME while another worker has one unfinished: it takes the next module
+    that is not, or waits for it to finish."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    def exclusive(scope: str) -> bool:
+        return scope.rsplit("/", 1)[-1].removesuffix(".py") in ONE_AT_A_TIME
+
+    class OneAtATime(LoadFileScheduling):
+        def _held_elsewhere(self, node) -> bool:
+            return any(exclusive(scope) and not all(done.values())
+                       for other, work in self.assigned_work.items() if other is not node
+                       for scope, done in work.items())
+
+        def _assign_work_unit(self, node) -> None:
+            blocked = self._held_elsewhere(node)
+            scope = next((s for s in self.workqueue if not (blocked and exclusive(s))), None)
+            if scope is None:  # only such modules left, one running elsewhere: wait (see mark_test_complete)
+                return
+            work_unit = self.workqueue.pop(scope)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+        def mark_test_complete(self, node, item_index, duration=0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            for other in self.nodes:  # a waiting worker (nothing pending) may go on now, or shut down
+                if other is not node and not other.shutting_down and self._pending_of(self.assigned_work[other]) == 0:
+                    self._reschedule(other)
+
+    return OneAtATime(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import SamplingParams
 from cluster.model import models
 from cluster.session.speculate import validate_request
-from cluster.wire.codec import logprob_fields_from_pb, logprobs_to_pb, processor_fields_from_pb
+from cluster.wire.codec import logprob_fields_from_pb, logprobs_to_pb, processor_fields_from_pb, text_fields_from_pb
 from deployments.chunks import ErrorChunk, FinishChunk, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.failover import FailoverMetrics, resumable_stream
@@ -124,6 +124,8 @@ class Ingress:
                      max_tokens: int | None) -> SamplingParams:
         return self._sampling(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                              include_stop_str_in_output=body.include_stop_str_in_output,
+                              skip_special_tokens=body.skip_special_tokens,
                               **body.processor_fields(self.tokenizer), **body.logprob_fields())
 
     def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
@@ -230,7 +232,7 @@ class Ingress:
             params = self._sampling(prompt_ids, p.max_tokens or None, temperature=p.temperature,
                                     top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
                                     stop=list(p.stop), ignore_eos=p.ignore_eos, **processor_fields_from_pb(p),
-                                    **logprob_fields_from_pb(p))
+                                    **logprob_fields_from_pb(p), **text_fields_from_pb(p))
         except InvalidRequestError as e:
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             grpc_context.set_details(str(e))

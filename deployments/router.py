@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from cluster.core.errors import InvalidRequestError, TandemError
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import GenerationResult, SpeculationStats
-from cluster.core.stopping import output_text
+from cluster.core.stopping import output_text, text_options
 from cluster.model import models
 from cluster.ray.router import Router
 from deployments.chunks import Chunk, ErrorChunk, FinishChunk, SessionProgress, TokensChunk
@@ -34,10 +34,13 @@ class IncrementalText:
     """Text deltas of a growing output that never take back what they sent: an incomplete UTF-8
     character and anything that may still turn into a stop string are held back until settled."""
 
-    def __init__(self, tokenizer, stop: list[str], sent: str = "", stop_token_ids=(), min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: list[str], sent: str = "", stop_token_ids=(), min_tokens: int = 0,
+                 options: dict | None = None):
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)  # a stop token id ends the output; its text is left out (vLLM)
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.options = options or {}  # `cluster.core.stopping.text_options`: how the text is written
+        # text that may still turn into a stop string is held back, unless the stop string is kept anyway
+        self.holdback = 0 if self.options.get("include_stop") else max((len(s) for s in stop), default=1) - 1
         self.stop = stop
         self.min_tokens = min_tokens
         self.sent = sent
@@ -48,7 +51,13 @@ class IncrementalText:
         return self._text(token_ids)
 
     def _text(self, token_ids: list[int]) -> str:
-        return output_text(self.tokenizer, token_ids, self.stop, self.stop_token_ids, self.min_tokens)
+        return output_text(self.tokenizer, token_ids, self.stop, self.stop_token_ids, self.min_tokens, **self.options)
+
+    @classmethod
+    def of(cls, tokenizer, params: SamplingParams, eos_token_ids, sent: str = "") -> "IncrementalText":
+        """The text of a request decoded with `params` by a model whose EOS ids are `eos_token_ids`."""
+        return cls(tokenizer, params.stop, sent=sent, stop_token_ids=params.stop_token_ids,
+                   min_tokens=params.min_tokens, options=text_options(params, eos_token_ids))
 
     def update(self, token_ids: list[int]) -> str:
         text = self._text(token_ids)
@@ -158,8 +167,7 @@ class RouterDeployment:
 
         self._waiting += 1
         self.executor.submit(run)
-        text = IncrementalText(self.tokenizer, params.stop, sent=resume.text, stop_token_ids=params.stop_token_ids,
-                               min_tokens=params.min_tokens)
+        text = IncrementalText.of(self.tokenizer, params, self.router.eos_token_ids, sent=resume.text)
         output: list[int] = list(resume.token_ids)
         try:
             while True:

@@ -231,6 +231,8 @@ class VLLMRouterDeployment:
         model_config = AutoConfig.from_pretrained(path)
         self.max_context = min(self.config.vllm.max_model_len, model_config.max_position_embeddings)
         self.vocab_size = model_config.vocab_size
+        eos = model_config.eos_token_id  # as the torch router: a final EOS's text is left out (unless asked)
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.verifier = verifier_handle
         self.metrics = TandemMetrics(self.config.model_id)
         self._active = 0
@@ -242,8 +244,7 @@ class VLLMRouterDeployment:
         output = list(resume.token_ids)
         stats = SpeculationStats(**resume.stats) if resume.stats else SpeculationStats(num_prompt_tokens=len(prompt_ids))
         remaining = sampling.max_tokens - len(output)
-        text = IncrementalText(self.tokenizer, sampling.stop, sent=resume.text, stop_token_ids=sampling.stop_token_ids,
-                               min_tokens=sampling.min_tokens)
+        text = IncrementalText.of(self.tokenizer, sampling, self.eos_token_ids, sent=resume.text)
         session = f"tandem-{uuid.uuid4().hex}"
         t_start = time.perf_counter()
         first_token_s = None

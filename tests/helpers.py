@@ -109,3 +109,30 @@ def serve_app(**overrides):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def assert_text_options(client, model: str, tokenizer, prompt: str, ref_text: str, max_tokens: int) -> None:
+    """`include_stop_str_in_output` and `skip_special_tokens` through a served completions endpoint, streamed
+    and not, as vLLM writes the text: the stop string kept; special tokens' text written, an ending EOS's
+    only with the stop kept. `ref_text`: the greedy text of `prompt`, containing "recursive"."""
+    def complete(stream: bool, **extra):
+        r = client.completions.create(model=model, prompt=prompt, temperature=0, stream=stream, extra_body=extra,
+                                      **{"max_tokens": extra.pop("max_tokens", max_tokens)})
+        if stream:
+            chunks = list(r)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            return "".join(c.choices[0].text for c in chunks if c.choices), finish[-1]
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    stop = "recursive"
+    for stream in (False, True):
+        assert complete(stream, stop=[stop], include_stop_str_in_output=True) == \
+            (ref_text[: ref_text.index(stop) + len(stop)], "stop")
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    only_eos = {"allowed_token_ids": [eos], "max_tokens": 3}  # every token is EOS
+    for stream in (False, True):
+        assert complete(stream, **only_eos) == ("", "stop")
+        assert complete(stream, **only_eos, skip_special_tokens=False) == ("", "stop")
+        assert complete(stream, **only_eos, skip_special_tokens=False, include_stop_str_in_output=True) == \
+            ("<|im_end|>", "stop")
+        assert complete(stream, **only_eos, skip_special_tokens=False, ignore_eos=True) == ("<|im_end|>" * 3, "length")

@@ -15,7 +15,7 @@ import cluster.model.verifier as verifier_module
 from cluster.core.errors import InvalidRequestError
 from cluster.core.processors import process_chain, process_rows, process_sequence, tokenize_bad_words
 from cluster.core.sampling import SamplingParams, probabilities
-from cluster.core.stopping import StopChecker
+from cluster.core.stopping import StopChecker, output_text, text_options
 from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
 from cluster.wire.codec import params_from_pb, params_to_pb
@@ -116,7 +116,7 @@ def test_the_wire_carries_every_field():
     params = SamplingParams(max_tokens=9, temperature=0.5, presence_penalty=0.3, frequency_penalty=-0.2,
                             repetition_penalty=1.1, min_p=0.05, logit_bias={3: 1.5, 7: -100.0}, min_tokens=2,
                             stop_token_ids=[5], bad_words=[[1, 2], [4]], allowed_token_ids=[1, 2, 3, 4, 5, 7],
-                            seed=3).for_session(12, [2, 0])
+                            seed=3, include_stop_str_in_output=True, skip_special_tokens=False).for_session(12, [2, 0])
     assert params_from_pb(params_to_pb(params)) == params
     assert params_from_pb(params_to_pb(SamplingParams())) == SamplingParams()
 
@@ -135,6 +135,39 @@ def test_stop_token_ids_end_generation_and_min_tokens_holds_back_stop_strings(to
     ids = tokenizer("a b c d")["input_ids"]
     output = []
     assert checker.commit(output, ids) is None and checker.text(output) == "a b c d"
+
+
+def test_text_options_keep_the_stop_and_special_tokens_as_vllm_does(tokenizer):
+    """`include_stop_str_in_output` cuts after the stop string (the one that ends first) and keeps a final
+    stop token id's or EOS's text; `skip_special_tokens: false` writes special tokens' text; an ending EOS's
+    only with the stop kept (vLLM's detokenizer leaves the stop-terminating token out)."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer("Hello world. Bye now")["input_ids"]
+    text = tokenizer.decode(ids)
+    assert output_text(tokenizer, ids, ["world", "Bye"]) == "Hello "
+    assert output_text(tokenizer, ids, ["world", "Bye"], include_stop=True) == "Hello world"
+    assert output_text(tokenizer, ids, ["o w", "Hello"], include_stop=True) == "Hello"  # ends first, not starts
+    with_eos = [*ids, eos]
+    assert output_text(tokenizer, with_eos, eos_token_ids=[eos]) == text
+    assert output_text(tokenizer, with_eos, eos_token_ids=[eos], skip_special_tokens=False) == text
+    assert output_text(tokenizer, with_eos, eos_token_ids=[eos], skip_special_tokens=False,
+                       include_stop=True) == text + "<|im_end|>"
+    middle = [eos, *ids]  # ignore_eos: an EOS inside the output is text like any special token
+    assert output_text(tokenizer, middle, skip_special_tokens=False) == "<|im_end|>" + text
+    assert output_text(tokenizer, middle) == text
+    stop_id = ids[2]  # a stop token id that is an ordinary token: its text is kept only with the stop
+    assert output_text(tokenizer, ids[:3], stop_token_ids=[stop_id]) == tokenizer.decode(ids[:2])
+    assert output_text(tokenizer, ids[:3], stop_token_ids=[stop_id], include_stop=True) == tokenizer.decode(ids[:3])
+    # the options as a request sets them, and the streamed text: never held back when the stop is kept
+    params = SamplingParams(stop=["Bye"], include_stop_str_in_output=True, skip_special_tokens=False)
+    assert text_options(params, [eos]) == {"include_stop": True, "skip_special_tokens": False, "eos_token_ids": (eos,)}
+    assert text_options(params.model_copy(update={"ignore_eos": True}), [eos])["eos_token_ids"] == ()
+    streamed = IncrementalText.of(tokenizer, params, [eos])
+    deltas = [streamed.update(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert "".join(deltas) == "Hello world. Bye" and deltas[0] == tokenizer.decode(ids[:1])
+    checker = StopChecker(tokenizer, [eos], params)
+    output: list[int] = []
+    assert checker.commit(output, ids) == "stop" and checker.text(output) == "Hello world. Bye"
 
 
 def test_bad_words_are_tokenized_as_vllm_does(tokenizer):

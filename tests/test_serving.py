@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from cluster.core.errors import ConfigError
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
-from tests.helpers import SERVE_PROMPTS, serve_app
+from tests.helpers import SERVE_PROMPTS, assert_text_options, serve_app
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
@@ -118,6 +118,10 @@ def test_stop_strings(client, tokenizer, prompt_ids, references):
         assert text == ref_text[: ref_text.index(stop)]
         assert finish == ["stop"]
 
+
+def test_text_options(client, tokenizer, prompt_ids, references):
+    ref_text = tokenizer.decode(_ref(references, prompt_ids, 0), skip_special_tokens=True)
+    assert_text_options(client, MODEL, tokenizer, PROMPTS[0][0], ref_text, MAX_TOKENS)
 
 def test_plain_decoding_per_request_equal(client, prompt_ids, references):
     ref = _ref(references, prompt_ids, 1)

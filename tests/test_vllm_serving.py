@@ -29,7 +29,7 @@ from cluster.vllm.engine import drafter_spec  # noqa: E402
 from cluster.vllm.protocol import DrafterSpec, ProposerImport, RequestKey  # noqa: E402
 from deployments.config import TandemAppConfig  # noqa: E402
 from protos import pb, rpc  # noqa: E402
-from tests.helpers import SERVE_PROMPTS, serve_app  # noqa: E402
+from tests.helpers import SERVE_PROMPTS, assert_text_options, serve_app  # noqa: E402
 from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error, _generate  # noqa: E402
 from tests.vllm_doubles import replay_spec  # noqa: E402
 
@@ -201,6 +201,10 @@ def test_stop_strings_and_grpc(server, client, tokenizer, prompt_ids, references
     assert [t for r in responses for t in r.token_ids] == _ref(references, prompt_ids, 1)
     assert responses[-1].stats.drafted > 0
 
+
+def test_text_options(client, tokenizer, prompt_ids, references):
+    ref_text = tokenizer.decode(_ref(references, prompt_ids, 0), skip_special_tokens=True)
+    assert_text_options(client, MODEL, tokenizer, PROMPTS[0][0], ref_text, MAX_TOKENS)
 
 # the torch path's table of malformed requests (tests/test_bad_input.py), a few of each kind
 HTTP_SAMPLE = [c for c in HTTP_CASES if c[0] in ("deep-array", "surrogate-prompt", "surrogate-content", "surrogate-stop")]

@@ -18,6 +18,7 @@ class StopChecker:
         # stop_token_ids end generation even with ignore_eos (vLLM); kept in the output as EOS is
         self.eos_token_ids = (set() if params.ignore_eos else set(eos_token_ids)) | set(params.stop_token_ids)
         self.params = params
+        self.skip_special_tokens = params.skip_special_tokens
 
     def commit(self, output: list[int], new_tokens: list[int]) -> str | None:
         """Append `new_tokens` to `output`, cut at a stop; returns "stop", "length" or None."""
@@ -39,41 +40,65 @@ class StopChecker:
 
     def _find_stop(self, output: list[int], num_new: int) -> int | None:
         """Smallest token count whose text contains a stop string, looking only at new tokens."""
-        floor = _floor(self.tokenizer, output, self.params.min_tokens)
+        floor = _floor(self.tokenizer, output, self.params.min_tokens, self.skip_special_tokens)
         for end in range(max(len(output) - num_new + 1, self.params.min_tokens), len(output) + 1):
-            text = self.tokenizer.decode(output[:end], skip_special_tokens=True)
+            text = self.tokenizer.decode(output[:end], skip_special_tokens=self.skip_special_tokens)
             if _first_stop(text, self.params.stop, floor) is not None:
                 return end
         return None
 
     def text(self, output: list[int]) -> str:
-        """The output's text, ending before the first stop string."""
+        """The output's text, ending before the first stop string (after it with
+        `include_stop_str_in_output`)."""
         if self.tokenizer is None:
             return ""
         return output_text(self.tokenizer, output, self.params.stop, self.params.stop_token_ids,
-                           self.params.min_tokens)
+                           self.params.min_tokens, **text_options(self.params, self.eos_token_ids))
+
+
+def text_options(params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> dict:
+    """`output_text`'s keyword options for a request: how its text is written, and the ids that end an
+    output (`eos_token_ids`, unless `ignore_eos`: a final one's text is left out unless the stop is kept)."""
+    return {"include_stop": params.include_stop_str_in_output, "skip_special_tokens": params.skip_special_tokens,
+            "eos_token_ids": () if params.ignore_eos else tuple(eos_token_ids)}
 
 
 def output_text(tokenizer, output: list[int], stop: Iterable[str] = (), stop_token_ids: Iterable[int] = (),
-                min_tokens: int = 0) -> str:
-    """The text of `output` as a client sees it: a final stop token id's text left out (vLLM), and cut
-    before the first stop string that ends past the text of the first `min_tokens - 1` tokens (what
-    `StopChecker` stops at: a stop string inside the first tokens `min_tokens` holds back stays text)."""
-    if output and output[-1] in set(stop_token_ids):
+                min_tokens: int = 0, *, include_stop: bool = False, skip_special_tokens: bool = True,
+                eos_token_ids: Iterable[int] = ()) -> str:
+    """The text of `output` as a client sees it (vLLM's rules): a final token that ended it (a stop token id,
+    or EOS: `eos_token_ids`) has its text left out, and the text is cut before the first stop string that
+    ends past the text of the first `min_tokens - 1` tokens (what `StopChecker` stops at: a stop string
+    inside the first tokens `min_tokens` holds back stays text). `include_stop`
+    (`include_stop_str_in_output`): that final token's text is kept, and the text is cut after the stop
+    string that ends first. `skip_special_tokens`: special tokens' text is left out (EOS's among them)."""
+    if output and output[-1] in set(stop_token_ids) | set(eos_token_ids) and not include_stop:
         output = output[:-1]
-    text = tokenizer.decode(output, skip_special_tokens=True)
+    text = tokenizer.decode(output, skip_special_tokens=skip_special_tokens)
     if not stop:
         return text
-    cut = _first_stop(text, stop, _floor(tokenizer, output, min_tokens))
+    floor = _floor(tokenizer, output, min_tokens, skip_special_tokens)
+    if include_stop:
+        end = _first_stop_end(text, stop, floor)
+        return text if end is None else text[:end]
+    cut = _first_stop(text, stop, floor)
     return text if cut is None else text[:cut]
 
 
-def _floor(tokenizer, output: list[int], min_tokens: int) -> int:
+def _floor(tokenizer, output: list[int], min_tokens: int, skip_special_tokens: bool = True) -> int:
     """The length of the text of the first `min_tokens - 1` tokens: a stop string must end past it."""
-    return len(tokenizer.decode(output[:min_tokens - 1], skip_special_tokens=True)) if min_tokens > 1 else 0
+    if min_tokens <= 1:
+        return 0
+    return len(tokenizer.decode(output[:min_tokens - 1], skip_special_tokens=skip_special_tokens))
 
 
 def _first_stop(text: str, stop: Iterable[str], floor: int) -> int | None:
     """Where the first stop string ending past `floor` starts in `text`, or None."""
     cuts = [at for s in stop if (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
     return min(cuts) if cuts else None
+
+
+def _first_stop_end(text: str, stop: Iterable[str], floor: int) -> int | None:
+    """Where the stop string that ends first (past `floor`) ends in `text`, or None."""
+    ends = [at + len(s) for s in stop if (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    return min(ends) if ends else None

@@ -176,7 +176,7 @@ class Router:
             finish = StopChecker(self.tokenizer, self.eos_token_ids, params).commit(done, list(output_prefix))
             if finish:
                 stats.num_generated_tokens = len(done)
-                return GenerationResult(done, StopChecker(self.tokenizer, (), params).text(done), finish, stats,
+                return GenerationResult(done, StopChecker(self.tokenizer, self.eos_token_ids, params).text(done), finish, stats,
                                         None if params.logprobs is None else [])
         t_start = time.perf_counter()
         max_gamma = self.num_speculative_tokens if max_speculative_tokens is None else \
@@ -242,5 +242,5 @@ class Router:
                 drafter.release()
         stats.num_generated_tokens = len(output)
         stats.total_s = time.perf_counter() - t_start
-        return GenerationResult(output, StopChecker(self.tokenizer, (), params).text(output), finish, stats,
+        return GenerationResult(output, StopChecker(self.tokenizer, self.eos_token_ids, params).text(output), finish, stats,
                                 state.logprobs)

@@ -128,5 +128,5 @@ class SpeculativeDecoder:
                 drafter.release()
         stats.num_generated_tokens = len(state.output)
         stats.total_s = time.perf_counter() - t_start
-        return GenerationResult(state.output, StopChecker(self.tokenizer, (), params).text(state.output), finish, stats,
+        return GenerationResult(state.output, StopChecker(self.tokenizer, self.eos_token_ids, params).text(state.output), finish, stats,
                                 state.logprobs)

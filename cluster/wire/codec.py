@@ -35,7 +35,17 @@ def params_to_pb(params: SamplingParams):
         msg.prompt_length = params.prompt_length
     if params.logprobs is not None:
         msg.logprobs, msg.logprobs_mode = params.logprobs, params.logprobs_mode
+    msg.include_stop_str_in_output = params.include_stop_str_in_output
+    if not params.skip_special_tokens:
+        msg.skip_special_tokens = False
     return msg
+
+
+def text_fields_from_pb(msg) -> dict:
+    """How the output's text is written (`include_stop_str_in_output`, `skip_special_tokens`) from a
+    pb.SamplingParams, as `SamplingParams` keywords (the public `Generation` API's too)."""
+    return dict(include_stop_str_in_output=msg.include_stop_str_in_output,
+                skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True)
 
 
 def logprob_fields_from_pb(msg) -> dict:
@@ -64,7 +74,7 @@ def params_from_pb(msg) -> SamplingParams:
         max_tokens=max(1, msg.max_tokens), temperature=msg.temperature, top_p=msg.top_p or 1.0,
         top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
         ignore_eos=msg.ignore_eos, **processor_fields_from_pb(msg), **logprob_fields_from_pb(msg),
-        prompt_length=msg.prompt_length if msg.HasField("prompt_length") else None,
+        **text_fields_from_pb(msg), prompt_length=msg.prompt_length if msg.HasField("prompt_length") else None,
         eos_token_ids=list(msg.eos_token_ids))
 
 

@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from tools.peer_bench import Record, Server, compare, one_stream, parse_stream, rotated, same_outputs, summarize
+from tools.peer_bench import (Record, Server, compare, merge_alone, one_stream, parse_stream, rotated, same_outputs,
+                              summarize)
 
 
 def _sse(chunks) -> list[str]:
@@ -129,3 +130,29 @@ def test_compare_against_a_fake_peer():
     sent = [b for b in peer.bodies if b["max_tokens"] == 3]
     assert all(b["temperature"] == 0 and b["stream"] and b["stream_options"] == {"include_usage": True} for b in sent)
     assert sum("num_speculative_tokens" in b for b in sent) == len(sent) // 2  # only tandem_plain's requests
+
+
+def test_servers_measured_alone_are_merged_side_by_side():
+    """`--peer-alone`: one `compare` per server (each up alone); the merged rows carry ratios and output
+    equality over the first server again, across the runs."""
+    peer = FakeOpenAIServer(plain_reply="def g(y): return y")
+    try:
+        with httpx.Client(timeout=30) as client:
+            workloads = {"humaneval": (["def f(x):", "def h():"], False)}
+            reports = [compare([Server("vllm", peer.url, "fake-model")], workloads, 3, (1, 2), repeats=1,
+                               client=client, reference="vllm"),
+                       compare([Server("tandem", peer.url, "fake-model"),
+                                Server("tandem_plain", peer.url, "fake-model", {"num_speculative_tokens": 0})],
+                               workloads, 3, (1, 2), repeats=1, client=client, reference="tandem")]
+    finally:
+        peer.close()
+    merged = merge_alone(reports, reference="vllm")
+    assert merged["servers"] == ["vllm", "tandem", "tandem_plain"] and merged["alone"]
+    one = merged["workloads"]["humaneval"]["1"]
+    assert set(one) == {"vllm", "tandem", "tandem_plain"}
+    speeds = {name: row["tokens_per_s"] for name, row in one.items()}
+    assert one["tandem"]["ratio_to_reference"] == pytest.approx(speeds["tandem"] / speeds["vllm"])
+    assert one["tandem"]["same_output_as_reference"] == 1.0  # the fake answers tandem as it answers vLLM
+    assert one["tandem_plain"]["same_output_as_reference"] == 0.0  # and plain requests otherwise
+    assert "same_output_as_reference" not in one["vllm"]
+    assert set(merged["workloads"]["humaneval"]["2"]) == {"vllm", "tandem", "tandem_plain"}

@@ -14,7 +14,7 @@ from deployments.cli import run_command
 from tools.bench import format_report, run_bench, write_json
 from tools.bench_distributed import format_distributed, run_distributed_bench
 from tools.loadgen import format_endpoint_report, run_endpoint_bench
-from tools.peer_bench import compare, start_servers
+from tools.peer_bench import compare, merge_alone, start_servers
 from tools.peer_bench import format_report as format_peer_report
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--peer-repeats", type=int, default=2, help="with --peer: batches per server at N streams")
     bench.add_argument("--peer-port", type=int, default=8100, help="with --peer: first port (each server +10)")
     bench.add_argument("--peer-logs", default=".", help="with --peer: folder for the servers' logs")
+    bench.add_argument("--peer-alone", action="store_true",
+                       help="with --peer: each server started, measured and stopped in turn (its sides, e.g. tandem "
+                            "and tandem_plain, still interleaved), so that idle servers take no CPU")
     bench.add_argument("--peer-vllm-bind", default="auto",
                        help="with --peer: VLLM_CPU_OMP_THREADS_BIND for every vLLM engine of the run (vLLM alone "
                             "and tandem's vLLM replicas alike); vLLM's auto binds one thread per core and "
@@ -81,14 +84,28 @@ def _peer(args) -> int:
     streams = tuple(int(n) for n in (args.concurrency if args.concurrency != "1,4,16" else "1,16").split(",") if n)
     dtype = args.dtype
     model_dir = str(models.resolve_model_path("default", args.cache_dir))
-    procs, servers = start_servers(model_dir, args.peer_config, dtype, 2048, args.peer_port, args.peer_logs,
-                                   tuple(args.peer_servers.split(",")), vllm_bind=args.peer_vllm_bind)
-    try:
-        report = compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
-                         reference=servers[0].name)
-    finally:
-        for proc in procs:
-            proc.stop()
+    which = tuple(args.peer_servers.split(","))
+    if args.peer_alone:  # one server up at a time: idle sides cost nothing
+        reports = []
+        for name in which:
+            procs, servers = start_servers(model_dir, args.peer_config, dtype, 2048, args.peer_port, args.peer_logs,
+                                           (name,), vllm_bind=args.peer_vllm_bind)
+            try:
+                reports.append(compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
+                                       reference=servers[0].name))
+            finally:
+                for proc in procs:
+                    proc.stop()
+        report = merge_alone(reports, reference=which[0])
+    else:
+        procs, servers = start_servers(model_dir, args.peer_config, dtype, 2048, args.peer_port, args.peer_logs,
+                                       which, vllm_bind=args.peer_vllm_bind)
+        try:
+            report = compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
+                             reference=servers[0].name)
+        finally:
+            for proc in procs:
+                proc.stop()
     report.update(dtype=dtype, prompts=args.prompts, cpus=os.cpu_count(),
                   given={"vllm": f"VLLM_CPU_OMP_THREADS_BIND={args.peer_vllm_bind} (also on tandem's vLLM "
                                  f"replicas), VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')} GiB",

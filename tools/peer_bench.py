@@ -267,6 +267,8 @@ def compare(servers: list[Server], workloads: dict[str, tuple[list[str], bool]],
                     per = {s.name: summarize([r for r in records if r.server == s.name]) for s in servers}
                     for name, equal in same_outputs(records, reference).items():
                         per[name]["same_output_as_reference"] = equal
+                    report.setdefault("outputs", {})[workload] = {
+                        s.name: [r.text for r in records if r.server == s.name] for s in servers}
                 else:
                     batches = many_streams(client, servers, prompts, max_tokens, chat, n, repeats, send)
                     per = {name: summarize([r for _, rs in runs for r in rs], sum(w for w, _ in runs))
@@ -280,6 +282,28 @@ def compare(servers: list[Server], workloads: dict[str, tuple[list[str], bool]],
         if own:
             client.close()
     return report
+
+
+def merge_alone(reports: list[dict], reference: str) -> dict:
+    """One report from several `compare` runs, each over the sides of one server measured alone (started,
+    measured, stopped): their rows side by side, ratios and output equality over `reference` again."""
+    merged: dict = {"servers": [n for r in reports for n in r["servers"]], "max_tokens": reports[0]["max_tokens"],
+                    "reference": reference, "workloads": {}, "alone": True}
+    for report in reports:
+        for workload, rows in report["workloads"].items():
+            for n, per in rows.items():
+                merged["workloads"].setdefault(workload, {}).setdefault(n, {}).update(per)
+    for workload, rows in merged["workloads"].items():
+        outputs = {name: texts for r in reports for name, texts in r.get("outputs", {}).get(workload, {}).items()}
+        for n, per in rows.items():
+            ref = per.get(reference, {}).get("tokens_per_s")
+            for name, row in per.items():
+                row["ratio_to_reference"] = row["tokens_per_s"] / ref if ref else None
+                row.pop("same_output_as_reference", None)
+                if n == "1" and name != reference and reference in outputs and name in outputs:
+                    pairs = list(zip(outputs[reference], outputs[name], strict=False))
+                    row["same_output_as_reference"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+    return merged
 
 
 def format_report(report: dict) -> str:

@@ -12,8 +12,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from tools.peer_bench import (Record, Server, compare, merge_alone, one_stream, parse_stream, rotated, same_outputs,
-                              summarize)
+from tools.peer_bench import (
+    Record,
+    Server,
+    compare,
+    merge_alone,
+    one_stream,
+    parse_stream,
+    rotated,
+    same_outputs,
+    summarize,
+)
 
 
 def _sse(chunks) -> list[str]:

@@ -517,7 +517,22 @@ def test_a_request_past_its_deadline_gets_504(server):
 # codes, content types and bodies the document states. Bounded and deterministic: at most 138 cases
 # (derandomized Hypothesis, no example database), sent one at a time with the module's API key.
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+DEADLINE_HITS: list[str] = []  # this fuzz test's cases that ran past the server's 8 s deadline
+
+
+def not_a_server_error_but_the_deadline(ctx, response, case):
+    """schemathesis' `not_a_server_error`, except for this server's own deadline: a valid request still
+    running after `request_timeout_s` (8 s here: a long generated prompt, two choices, a loaded machine)
+    ends with the documented 504 of type "timeout" (the deadline tests above pin that answer down). Each
+    such case is counted, and the fuzz test bounds how many there may be; any other 5xx fails."""
+    if response.status_code == 504 and response.json().get("error", {}).get("type") == "timeout":
+        DEADLINE_HITS.append(case.operation.label)
+        return None
+    return not_a_server_error(ctx, response, case)
+
+
+CHECKS = [not_a_server_error_but_the_deadline, status_code_conformance, content_type_conformance,
+          response_schema_conformance]
 MAX_TOKENS = 4  # positive cases generate at most this many tokens (the server's default_max_tokens)
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 # (method, path, generation mode, cases): 138 at most; positive cases generate, so fewer of them
@@ -560,4 +575,7 @@ def test_fuzz_http_api(server, api, tokenizer, method, path, mode, examples):
         response = case.call(base_url=server.http, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"})
         case.validate_response(response, checks=CHECKS)
 
+    DEADLINE_HITS.clear()
     check()
+    hits = len(DEADLINE_HITS)
+    assert hits <= max(2, examples // 5), f"{hits} of {examples} cases ran past the 8 s deadline"  # rare, not the rule

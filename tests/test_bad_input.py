@@ -1,7 +1,7 @@
 """Bad input gets one clear error: engine, config, CLI, and the served HTTP and gRPC APIs (a table of
 malformed requests through the real Serve app; what OpenAI-ecosystem clients send is accepted), admission
-control and the per-request deadline, and schema-driven fuzzing of the HTTP API (schemathesis), all
-against one Serve application."""
+control and the per-request deadline. The schema-driven fuzzing has a server of its own (test_fuzz.py):
+this one's 8 s deadline sent 8 of 25 generated chat cases past it on a loaded machine."""
 
 from __future__ import annotations
 
@@ -15,15 +15,6 @@ import grpc
 import httpx
 import openai
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    response_schema_conformance,
-    status_code_conformance,
-)
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers import models as tok_models
 from transformers import PreTrainedTokenizerFast
@@ -510,72 +501,3 @@ def test_a_request_past_its_deadline_gets_504(server):
         events = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert '"timeout"' in events[-2] and events[-1] == "data: [DONE]"
 
-
-# ---- schema-driven fuzzing: schemathesis reads the live /openapi.json and sends what it generates --------
-# Valid (positive) and invalid (negative) requests against the module's server (one Serve application for
-# the table above and the fuzzing): no response may be a 5xx, and every response must match the status
-# codes, content types and bodies the document states. Bounded and deterministic: at most 138 cases
-# (derandomized Hypothesis, no example database), sent one at a time with the module's API key.
-
-DEADLINE_HITS: list[str] = []  # this fuzz test's cases that ran past the server's 8 s deadline
-
-
-def not_a_server_error_but_the_deadline(ctx, response, case):
-    """schemathesis' `not_a_server_error`, except for this server's own deadline: a valid request still
-    running after `request_timeout_s` (8 s here: a long generated prompt, two choices, a loaded machine)
-    ends with the documented 504 of type "timeout" (the deadline tests above pin that answer down). Each
-    such case is counted, and the fuzz test bounds how many there may be; any other 5xx fails."""
-    if response.status_code == 504 and response.json().get("error", {}).get("type") == "timeout":
-        DEADLINE_HITS.append(case.operation.label)
-        return None
-    return not_a_server_error(ctx, response, case)
-
-
-CHECKS = [not_a_server_error_but_the_deadline, status_code_conformance, content_type_conformance,
-          response_schema_conformance]
-MAX_TOKENS = 4  # positive cases generate at most this many tokens (the server's default_max_tokens)
-POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
-# (method, path, generation mode, cases): 138 at most; positive cases generate, so fewer of them
-OPERATIONS = [("POST", "/v1/completions", POSITIVE, 25), ("POST", "/v1/completions", NEGATIVE, 40),
-              ("POST", "/v1/chat/completions", POSITIVE, 25), ("POST", "/v1/chat/completions", NEGATIVE, 40),
-              ("GET", "/v1/models", POSITIVE, 4), ("GET", "/health", POSITIVE, 4)]
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    return schemathesis.openapi.from_url(server.http + "/openapi.json")
-
-
-def _servable(case, vocab_size: int) -> None:
-    """Point a valid body at the served model, with token ids in its vocabulary and a small max_tokens,
-    so that positive cases reach generation (a random `model` would only ever get 404)."""
-    body = case.body
-    body["model"] = MODEL
-    if isinstance(body.get("prompt"), list) and all(isinstance(t, (int, float)) for t in body["prompt"]):
-        body["prompt"] = [int(t) % vocab_size for t in body["prompt"]]
-    for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), (int, float)):
-            body[key] = min(int(body[key]), MAX_TOKENS)
-    if isinstance(body.get("n"), (int, float)):  # n choices are n sessions: at most 2 here
-        body["n"] = min(int(body["n"]), 2)
-        if body.get("best_of") is not None:
-            body["best_of"] = body["n"]
-
-
-@pytest.mark.parametrize("method,path,mode,examples", OPERATIONS, ids=[f"{m} {p} {g.value}" for m, p, g, _ in OPERATIONS])
-def test_fuzz_http_api(server, api, tokenizer, method, path, mode, examples):
-    operation = api[path][method]
-
-    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(case=operation.as_strategy(generation_mode=mode))
-    def check(case):
-        if mode == POSITIVE and isinstance(case.body, dict):
-            _servable(case, len(tokenizer))
-        response = case.call(base_url=server.http, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"})
-        case.validate_response(response, checks=CHECKS)
-
-    DEADLINE_HITS.clear()
-    check()
-    hits = len(DEADLINE_HITS)
-    assert hits <= max(2, examples // 5), f"{hits} of {examples} cases ran past the 8 s deadline"  # rare, not the rule

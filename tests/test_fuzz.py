@@ -1,0 +1,74 @@
+"""Schema-driven fuzzing of the HTTP API: schemathesis reads the live /openapi.json of a running Serve
+app and sends what it generates, valid (positive) and invalid (negative) requests. No response may be
+a 5xx, and every response must match the status codes, content types and bodies the document states.
+
+Bounded and deterministic: at most 138 cases (derandomized Hypothesis, no example database)."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.helpers import serve_app
+
+MODEL = "SmolLM2-135M-Instruct"
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+MAX_TOKENS = 4  # positive cases generate at most this many tokens, so that generation stays quick
+POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
+# (method, path, generation mode, cases): 138 at most; positive cases generate, so fewer of them
+OPERATIONS = [("POST", "/v1/completions", POSITIVE, 25), ("POST", "/v1/completions", NEGATIVE, 40),
+              ("POST", "/v1/chat/completions", POSITIVE, 25), ("POST", "/v1/chat/completions", NEGATIVE, 40),
+              ("GET", "/v1/models", POSITIVE, 4), ("GET", "/health", POSITIVE, 4)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The Serve application, small and fast: fp32 target, n-gram drafts."""
+    with serve_app(engine={"dtype": "float32", "proposer": "ngram", "num_speculative_tokens": 3, "threads": 1},
+                   default_max_tokens=MAX_TOKENS) as endpoints:
+        yield endpoints
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return schemathesis.openapi.from_url(server.http + "/openapi.json")
+
+
+def _servable(case, vocab_size: int) -> None:
+    """Point a valid body at the served model, with token ids in its vocabulary and a small max_tokens,
+    so that positive cases reach generation (a random `model` would only ever get 404)."""
+    body = case.body
+    body["model"] = MODEL
+    if isinstance(body.get("prompt"), list) and all(isinstance(t, (int, float)) for t in body["prompt"]):
+        body["prompt"] = [int(t) % vocab_size for t in body["prompt"]]
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), (int, float)):
+            body[key] = min(int(body[key]), MAX_TOKENS)
+    if isinstance(body.get("n"), (int, float)):  # n choices are n sessions: at most 2 here
+        body["n"] = min(int(body["n"]), 2)
+        if body.get("best_of") is not None:
+            body["best_of"] = body["n"]
+
+
+@pytest.mark.parametrize("method,path,mode,examples", OPERATIONS, ids=[f"{m} {p} {g.value}" for m, p, g, _ in OPERATIONS])
+def test_fuzz_http_api(server, api, tokenizer, method, path, mode, examples):
+    operation = api[path][method]
+
+    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def check(case):
+        if mode == POSITIVE and isinstance(case.body, dict):
+            _servable(case, len(tokenizer))
+        response = case.call(base_url=server.http, timeout=120)
+        case.validate_response(response, checks=CHECKS)
+
+    check()

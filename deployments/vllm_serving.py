@@ -32,6 +32,7 @@ import uuid
 from dataclasses import asdict
 
 from cluster.core.sampling import SamplingParams
+from cluster.core.stopping import eos_ids
 from cluster.model import models
 from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
@@ -231,8 +232,7 @@ class VLLMRouterDeployment:
         model_config = AutoConfig.from_pretrained(path)
         self.max_context = min(self.config.vllm.max_model_len, model_config.max_position_embeddings)
         self.vocab_size = model_config.vocab_size
-        eos = model_config.eos_token_id  # as the torch router: a final EOS's text is left out (unless asked)
-        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_ids = eos_ids(model_config.eos_token_id)  # a final EOS's text is left out (unless asked)
         self.verifier = verifier_handle
         self.metrics = TandemMetrics(self.config.model_id)
         self._active = 0

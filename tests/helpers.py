@@ -116,8 +116,9 @@ def assert_text_options(client, model: str, tokenizer, prompt: str, ref_text: st
     and not, as vLLM writes the text: the stop string kept; special tokens' text written, an ending EOS's
     only with the stop kept. `ref_text`: the greedy text of `prompt`, containing "recursive"."""
     def complete(stream: bool, **extra):
-        r = client.completions.create(model=model, prompt=prompt, temperature=0, stream=stream, extra_body=extra,
-                                      **{"max_tokens": extra.pop("max_tokens", max_tokens)})
+        tokens = extra.pop("max_tokens", max_tokens)
+        r = client.completions.create(model=model, prompt=prompt, temperature=0, stream=stream, max_tokens=tokens,
+                                      extra_body=extra)
         if stream:
             chunks = list(r)
             finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

@@ -85,27 +85,17 @@ def _peer(args) -> int:
     dtype = args.dtype
     model_dir = str(models.resolve_model_path("default", args.cache_dir))
     which = tuple(args.peer_servers.split(","))
-    if args.peer_alone:  # one server up at a time: idle sides cost nothing
-        reports = []
-        for name in which:
-            procs, servers = start_servers(model_dir, args.peer_config, dtype, 2048, args.peer_port, args.peer_logs,
-                                           (name,), vllm_bind=args.peer_vllm_bind)
-            try:
-                reports.append(compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
-                                       reference=servers[0].name))
-            finally:
-                for proc in procs:
-                    proc.stop()
-        report = merge_alone(reports, reference=which[0])
-    else:
+    reports = []
+    for group in [(name,) for name in which] if args.peer_alone else [which]:  # alone: idle sides cost nothing
         procs, servers = start_servers(model_dir, args.peer_config, dtype, 2048, args.peer_port, args.peer_logs,
-                                       which, vllm_bind=args.peer_vllm_bind)
+                                       group, vllm_bind=args.peer_vllm_bind)
         try:
-            report = compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
-                             reference=servers[0].name)
+            reports.append(compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
+                                   reference=servers[0].name))
         finally:
             for proc in procs:
                 proc.stop()
+    report = merge_alone(reports, reference=which[0]) if args.peer_alone else reports[0]
     report.update(dtype=dtype, prompts=args.prompts, cpus=os.cpu_count(),
                   given={"vllm": f"VLLM_CPU_OMP_THREADS_BIND={args.peer_vllm_bind} (also on tandem's vLLM "
                                  f"replicas), VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')} GiB",

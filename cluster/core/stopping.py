@@ -10,6 +10,13 @@ from collections.abc import Iterable
 from cluster.core.sampling import SamplingParams
 
 
+def eos_ids(eos_token_id: int | Iterable[int] | None) -> list[int]:
+    """A config's `eos_token_id` (one id, a list of them, or None) as a list of ids."""
+    if eos_token_id is None:
+        return []
+    return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+
 class StopChecker:
     """Commits new tokens to a request's output and says when (and why) it is finished."""
 
@@ -18,7 +25,6 @@ class StopChecker:
         # stop_token_ids end generation even with ignore_eos (vLLM); kept in the output as EOS is
         self.eos_token_ids = (set() if params.ignore_eos else set(eos_token_ids)) | set(params.stop_token_ids)
         self.params = params
-        self.skip_special_tokens = params.skip_special_tokens
 
     def commit(self, output: list[int], new_tokens: list[int]) -> str | None:
         """Append `new_tokens` to `output`, cut at a stop; returns "stop", "length" or None."""
@@ -40,9 +46,10 @@ class StopChecker:
 
     def _find_stop(self, output: list[int], num_new: int) -> int | None:
         """Smallest token count whose text contains a stop string, looking only at new tokens."""
-        floor = _floor(self.tokenizer, output, self.params.min_tokens, self.skip_special_tokens)
+        skip = self.params.skip_special_tokens
+        floor = _floor(self.tokenizer, output, self.params.min_tokens, skip)
         for end in range(max(len(output) - num_new + 1, self.params.min_tokens), len(output) + 1):
-            text = self.tokenizer.decode(output[:end], skip_special_tokens=self.skip_special_tokens)
+            text = self.tokenizer.decode(output[:end], skip_special_tokens=skip)
             if _first_stop(text, self.params.stop, floor) is not None:
                 return end
         return None

@@ -58,13 +58,13 @@ from cluster.core.rejection import RejectionResult, residual_distribution
 from cluster.core.sampling import RandomStream, SamplingParams, position_generator, probabilities, sample
 
 ROOT = -1  # the parent of depth-0 nodes: the last committed token
+_SIBLING_STREAM = 1 << 20  # uniforms of sibling attempts j >= 1 use stream _SIBLING_STREAM + j
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool attention mask (True: may attend) as the additive float mask transformers takes: 0 where
     allowed, the dtype's lowest value elsewhere. Same shape."""
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-_SIBLING_STREAM = 1 << 20  # uniforms of sibling attempts j >= 1 use stream _SIBLING_STREAM + j
 
 
 class SiblingScheme(enum.Enum):

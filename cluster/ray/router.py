@@ -21,7 +21,7 @@ import grpc
 from cluster.core.errors import InvalidRequestError, TandemError
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import GenerationResult, SpeculationStats
-from cluster.core.stopping import StopChecker
+from cluster.core.stopping import StopChecker, eos_ids
 from cluster.session.loop import CostEstimates, LoopConfig, LoopMetrics, RoundTiming, SessionLoop, SessionState
 from cluster.session.speculate import validate_request
 from cluster.wire.codec import features_from_pb, params_to_pb
@@ -85,8 +85,7 @@ class Router:
         """The one way both runtimes (`TandemCluster`, the Serve router deployment) build their router:
         `config` a `LoopConfig` (or either runtime's config), `engine` the `EngineConfig`, `model_config`
         the target's transformers config."""
-        eos = model_config.eos_token_id
-        return cls(pool, drafter, tokenizer, [eos] if isinstance(eos, int) else list(eos or []),
+        return cls(pool, drafter, tokenizer, eos_ids(model_config.eos_token_id),
                    engine.num_speculative_tokens, config.pipeline_depth,
                    max_context=model_config.max_position_embeddings, balance_pipeline=config.balance_pipeline,
                    policy=config.speculation, fill_bubbles=config.fill_bubbles,
@@ -173,10 +172,11 @@ class Router:
             stats = SpeculationStats(num_prompt_tokens=len(prompt_ids))
         if output_prefix:  # a resumed session whose router died after its last token, before saying so
             done: list[int] = []
-            finish = StopChecker(self.tokenizer, self.eos_token_ids, params).commit(done, list(output_prefix))
+            checker = StopChecker(self.tokenizer, self.eos_token_ids, params)
+            finish = checker.commit(done, list(output_prefix))
             if finish:
                 stats.num_generated_tokens = len(done)
-                return GenerationResult(done, StopChecker(self.tokenizer, self.eos_token_ids, params).text(done), finish, stats,
+                return GenerationResult(done, checker.text(done), finish, stats,
                                         None if params.logprobs is None else [])
         t_start = time.perf_counter()
         max_gamma = self.num_speculative_tokens if max_speculative_tokens is None else \

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import GenerationResult, SpeculationStats
-from cluster.core.stopping import StopChecker
+from cluster.core.stopping import StopChecker, eos_ids
 from cluster.model.runner import TorchModelRunner
 from cluster.model.verifier import VerifierEngine
 from cluster.session.loop import CostEstimates, LoopConfig, LoopMetrics, SessionLoop, SessionState
@@ -77,7 +77,7 @@ class SpeculativeDecoder:
         if eos_token_ids is None:
             eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
             eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
-            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            eos_token_ids = eos_ids(eos)
         self.eos_token_ids = set(eos_token_ids)
         self.policy = policy or SpeculationPolicy(SpeculationPolicyConfig(adaptive=False),
                                                   self.num_speculative_tokens, pipelined=pipeline_depth > 1)

@@ -62,9 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", help="Serve config (default: the repository's ray_config.yaml)")
     srv.add_argument("--http-port", type=int, help="override http_options.port")
     srv.add_argument("--grpc-port", type=int, help="override grpc_options.port")
-    srv.add_argument("--engine", choices=["torch", "vllm"],
+    srv.add_argument("--engine", choices=["auto", "torch", "vllm"],
                      help="override engine.backend: vllm serves the target on vLLM verifier replicas (Ray Serve "
-                          "LLM's LLMServer) with tandem's drafter (needs .[vllm])")
+                          "LLM's LLMServer) with tandem's drafter (needs .[vllm]); auto: vLLM when installed")
+    srv.add_argument("--proposer", choices=["draft", "ngram", "hybrid", "none"], help="override engine.proposer")
     return parser
 
 
@@ -128,11 +129,13 @@ def _serve(args) -> int:
     import threading
 
     config = load_config(args.config)  # fails fast, naming the field, before Ray starts
-    if args.engine:
-        config.app_configs = {name: app.with_backend(args.engine) for name, app in config.app_configs.items()}
+    changes = {k: v for k, v in (("backend", args.engine), ("proposer", args.proposer)) if v}
+    if changes:
+        config.app_configs = {name: app.with_engine(**changes) for name, app in config.app_configs.items()}
     endpoints = start(config, args.http_port, args.grpc_port)
     model = next(iter(config.app_configs.values())).model_id
-    print(f"tandem is serving {model}\n"
+    app = next(iter(config.app_configs.values()))
+    print(f"tandem is serving {model} on the {app.engine.backend} engine (proposer {app.engine.proposer})\n"
           f"  OpenAI HTTP API: {endpoints.http}/v1   (GET /v1/models, POST /v1/completions, /v1/chat/completions)\n"
           f"  gRPC:            {endpoints.grpc}   (tandem.v1.Generation/Generate; metadata application="
           f"{endpoints.app_names[0]}; reflection and grpc.health.v1 on)\n"

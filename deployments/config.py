@@ -3,6 +3,8 @@ go through `TandemAppConfig.build`, so a wrong field fails fast with a message t
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -11,6 +13,19 @@ from cluster.core.config import EngineConfig, PlacementConfig, check_tp_placemen
 from cluster.core.errors import ConfigError, validation_message
 from cluster.session.loop import LoopConfig
 from drafts.factory import needs_features, speculates
+
+log = logging.getLogger(__name__)
+
+
+def resolve_backend(engine: EngineConfig) -> tuple[str, str]:
+    """(backend, why) for `engine.backend: auto`: vLLM when it is installed and can serve `engine` (its step
+    was measured faster than tandem's torch runner on every machine so far: BENCHMARKS.md, "Peer"), else the
+    torch runner. Deterministic for a given installation and config."""
+    if importlib.util.find_spec("vllm") is None:
+        return "torch", "vLLM is not installed"
+    if speculates(engine) and needs_features(engine):
+        return "torch", "the feature-fed draft needs the target's hidden states, which vLLM does not return"
+    return "vllm", "vLLM is installed (its step is faster than the torch runner's: BENCHMARKS.md)"
 
 
 class AutoscalingSpec(BaseModel):
@@ -109,6 +124,24 @@ class TandemAppConfig(LoopConfig):
     verifier: DeploymentSpec = Field(default_factory=_default_verifier, description="The verifier pool: target model replicas, `tensor_parallel_size` ranks each.")
     vllm: VLLMServingConfig = Field(default_factory=VLLMServingConfig, description="vLLM verifier replicas (only with engine.backend 'vllm').")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto(cls, data: Any) -> Any:
+        """engine.backend 'auto' becomes the engine `resolve_backend` chooses (logged)."""
+        if not isinstance(data, dict):
+            return data
+        engine = data.get("engine")
+        if isinstance(engine, EngineConfig):
+            engine = engine.model_dump()
+        if isinstance(engine, dict) and engine.get("backend") == "auto":
+            try:
+                backend, why = resolve_backend(EngineConfig(**{**engine, "backend": "torch"}))
+            except ValidationError:
+                return data  # the engine's own validation names the field
+            log.info("engine.backend auto: %s (%s)", backend, why)
+            data = {**data, "engine": {**engine, "backend": backend}}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "TandemAppConfig":
         if self.engine.backend == "vllm" and self.speculative and needs_features(self.engine):
@@ -121,8 +154,11 @@ class TandemAppConfig(LoopConfig):
 
     def with_backend(self, backend: str) -> "TandemAppConfig":
         """This config with `engine.backend` replaced (validated again)."""
-        engine = {**self.engine.model_dump(), "backend": backend}
-        return TandemAppConfig.build({**self.model_dump(), "engine": engine})
+        return self.with_engine(backend=backend)
+
+    def with_engine(self, **changes) -> "TandemAppConfig":
+        """This config with `engine` fields replaced (validated again; backend 'auto' chosen again)."""
+        return TandemAppConfig.build({**self.model_dump(), "engine": {**self.engine.model_dump(), **changes}})
 
     @property
     def speculative(self) -> bool:

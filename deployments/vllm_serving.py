@@ -38,7 +38,7 @@ from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
 from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params
 from cluster.vllm.proposer import PROPOSER_CLASS
-from cluster.vllm.protocol import DrafterSpec, RayDrafter, RequestKey
+from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens, inline_matches
 from cluster.vllm.worker import WORKER_EXTENSION
 from deployments.assembly import ingress_deployment, router_options
 from deployments.chunks import ErrorChunk, FinishChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
@@ -49,7 +49,7 @@ from deployments.router import IncrementalText
 log = logging.getLogger(__name__)
 PROPOSER_STATS_TIMEOUT_S = 5.0  # the proposer-counter RPC made at each health check (metrics only)
 
-PROPOSER_KINDS = ("hits", "misses", "drafted_rows", "empty_rows", "empty_late", "empty_failed", "drafter_failures",
+PROPOSER_KINDS = ("hits", "misses", "matched_rows", "drafted_rows", "empty_rows", "empty_late", "empty_failed", "drafter_failures",
                   "proposer_errors")
 
 
@@ -66,7 +66,7 @@ def llm_config(config: TandemAppConfig):
                      "worker_extension_cls": WORKER_EXTENSION, "disable_log_stats": False}
     if config.speculative:
         engine_kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
-                                               "num_speculative_tokens": engine.num_speculative_tokens}
+                                               "num_speculative_tokens": engine_draft_tokens(engine)}
         engine_kwargs["per_request_spec_decode_metrics"] = "summary"  # each request's drafted / accepted
     engine_kwargs.update(vllm.engine_kwargs)
     env = {"VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"), "HF_HUB_OFFLINE": "1",
@@ -118,8 +118,9 @@ class TandemLLMServer(_server_base()):
         tandem = tandem or {}
         self.drafter = None
         self.speculative = bool(tandem.get("speculative"))  # the rest of `tandem` is there when speculative
+        matches = InlineMatches.model_validate(tandem["matches"]) if tandem.get("matches") else None
         name = None
-        if self.speculative:  # the drafter loads its model while vLLM starts
+        if self.speculative and tandem.get("drafter", True):  # the drafter loads its model while vLLM starts
 
             context = serve.get_replica_context()
             name = f"tandem-vllm-drafter-{context.app_name}-{context.replica_id.unique_id}"
@@ -130,12 +131,16 @@ class TandemLLMServer(_server_base()):
                 resources=placement.get("resources"), scheduling_strategy="DEFAULT",  # not in the replica's group
                 max_restarts=-1)
         await super().__init__(llm_config, **kwargs)
-        if self.drafter is not None:
-            await self.drafter.ready.remote()
-            runtime = ray.get_runtime_context()
-            spec = DrafterSpec(ray=RayDrafter(actor=name, namespace=runtime.namespace, address=runtime.gcs_address,
-                                              auth_mode=os.environ.get("RAY_AUTH_MODE")), registered=True,
-                               **{k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first")})
+        if self.speculative:
+            tuning = {k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first", "max_k")}
+            if self.drafter is not None:
+                await self.drafter.ready.remote()
+                runtime = ray.get_runtime_context()
+                spec = DrafterSpec(ray=RayDrafter(actor=name, namespace=runtime.namespace,
+                                                  address=runtime.gcs_address, auth_mode=os.environ.get("RAY_AUTH_MODE")),
+                                   registered=True, matches=matches, **tuning)
+            else:  # free drafts only (proposer ngram): made in vLLM's step, no drafter
+                spec = DrafterSpec(matches=matches, **tuning)
             await self.collective_rpc("tandem_configure", args=(spec.wire(),))
         self.fix = (await self.collective_rpc("tandem_fix_rejection_sampler"))[0]  # every worker, before requests
         self.open_sessions = 0
@@ -313,7 +318,11 @@ def build_vllm_app(config: TandemAppConfig):
     plain = config.model_dump(mode="json")
     engine = config.engine.model_dump(mode="json")
     engine.update(backend="torch")  # the drafter's own models run on tandem's runner
+    matches = inline_matches(config.engine)
     tandem = {"speculative": config.speculative, "engine": engine,
+              # proposer ngram drafts in vLLM's step only; the hybrid's long matches too, its other rounds remotely
+              "drafter": config.engine.proposer != "ngram", "max_k": config.engine.num_speculative_tokens,
+              "matches": matches.model_dump(mode="json") if matches else None,
               "drafter_placement": config.drafter.placement.model_dump(mode="json"),
               "overlap": config.vllm.overlap, "wait_s": config.vllm.wait_s, "on_miss": config.vllm.on_miss,
               "wait_first": config.vllm.wait_first}

@@ -15,10 +15,13 @@ def ngram_lookup(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int =
     length = len(tokens)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         pattern = tokens[length - n :]
-        first = pattern[0]
-        # a match must end before the sequence does, so that at least one token follows it
-        for start in range(0, length - n):
-            if tokens[start] == first and tokens[start : start + n] == pattern:
+        first, start = pattern[0], -1
+        while True:  # starts in [0, length - n): a match ends before the sequence does, so a token follows it
+            try:
+                start = tokens.index(first, start + 1, length - n)  # the scan runs in C (vLLM's step waits on it)
+            except ValueError:
+                break
+            if tokens[start : start + n] == pattern:
                 return tokens[start + n : start + n + k]
     return []
 

@@ -93,3 +93,27 @@ def test_launcher_node_types_fit_the_placements(tmp_path):
     assert target["max_workers"] * per_target_node >= app.verifier.autoscaling.max_replicas
     assert draft["max_workers"] * per_draft_node >= app.drafter.autoscaling.max_replicas
     assert launcher["max_workers"] >= target["max_workers"] + draft["max_workers"]
+
+
+def test_auto_backend_is_chosen_deterministically_and_logged(monkeypatch, caplog):
+    """engine.backend 'auto': vLLM when it is installed and can serve the config (not a feature-fed
+    draft), else the torch runner; the choice and its reason are logged."""
+    import importlib.util
+    import logging
+
+    from deployments.config import TandemAppConfig
+
+    real_find_spec = importlib.util.find_spec
+    for installed in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (real_find_spec("yaml") if installed else None) if name == "vllm"
+                            else real_find_spec(name, *a))
+        with caplog.at_level(logging.INFO, logger="deployments.config"):
+            caplog.clear()
+            config = TandemAppConfig.build({"engine": {"backend": "auto", "proposer": "ngram"}})
+        assert config.engine.backend == ("vllm" if installed else "torch")
+        assert f"engine.backend auto: {config.engine.backend}" in caplog.text
+        assert TandemAppConfig.build({"engine": {"backend": "auto", "proposer": "ngram"}}) == config  # deterministic
+        feature = TandemAppConfig.build({"engine": {"backend": "auto", "draft": "feature"}})
+        assert feature.engine.backend == "torch"  # vLLM cannot feed a feature draft
+    assert TandemAppConfig.build({"engine": {"backend": "torch"}}).engine.backend == "torch"  # explicit stays

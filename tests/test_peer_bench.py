@@ -22,6 +22,7 @@ from tools.peer_bench import (
     rotated,
     same_outputs,
     summarize,
+    tandem_flags,
 )
 
 
@@ -165,3 +166,13 @@ def test_servers_measured_alone_are_merged_side_by_side():
     assert one["tandem_plain"]["same_output_as_reference"] == 0.0  # and plain requests otherwise
     assert "same_output_as_reference" not in one["vllm"]
     assert set(merged["workloads"]["humaneval"]["2"]) == {"vllm", "tandem", "tandem_plain"}
+
+
+def test_tandem_side_names_become_serve_flags():
+    assert tandem_flags("tandem") == []
+    assert tandem_flags("tandem_vllm") == ["--engine", "vllm"]
+    assert tandem_flags("tandem_torch_hybrid") == ["--engine", "torch", "--proposer", "hybrid"]
+    assert tandem_flags("tandem_ngram") == ["--proposer", "ngram"]
+    for bad in ("tandem_gpu", "tandem_vllm_ngram_x", "vllm_tandem", "tandem_ngram_vllm"):
+        with pytest.raises(ValueError, match="unknown server"):
+            tandem_flags(bad)

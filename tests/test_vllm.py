@@ -28,7 +28,7 @@ from cluster.vllm import engine as ve  # noqa: E402
 from cluster.vllm import patch  # noqa: E402
 from cluster.vllm.engine import RemoteDrafter, VLLMEngine, drafter_spec  # noqa: E402
 from cluster.vllm.proposer import TandemProposer  # noqa: E402
-from cluster.vllm.protocol import DrafterSpec  # noqa: E402
+from cluster.vllm.protocol import DrafterSpec, InlineMatches, engine_draft_tokens, inline_matches  # noqa: E402
 from deployments.cli import main  # noqa: E402
 from tests.vllm_doubles import faulty_spec, replay_spec  # noqa: E402
 
@@ -215,6 +215,28 @@ def test_always_wrong_proposer(spec, prompts, reference, gamma):
     assert stats["verdict_drafted"] > 0 and stats["verdict_accepted"] == 0  # verdicts reach the drafter
 
 
+def test_inline_lookup_greedy_equals_target_only(spec, prompts, reference):
+    """Proposer ngram on vLLM: prompt lookup made by the proposer in vLLM's step, no drafter at all."""
+    outputs, counters, stats = _run(spec, prompts, drafter_spec(EngineConfig(proposer="ngram", num_speculative_tokens=4)))
+    assert outputs == reference
+    assert stats["drafter"] == "none" and stats.get("sessions", 0) == 0 and stats.get("hits", 0) == 0
+    assert stats["matched_rows"] > 0 and stats["matched_tokens"] <= 4 * stats["matched_rows"]
+    assert 0 < counters["draft_tokens"] <= stats["matched_tokens"]
+    assert 0 < counters["accepted_tokens"] < counters["draft_tokens"]
+
+
+def test_hybrid_long_matches_inline_and_the_drafter_for_the_rest(spec, prompts, reference):
+    """The hybrid on vLLM: a row with a long match of its own suffix is drafted in the step (up to
+    match_tokens), the others by the int8 drafter (up to γ)."""
+    config = EngineConfig(dtype="float32", proposer="hybrid", num_speculative_tokens=2, match_tokens=4)
+    assert engine_draft_tokens(config) == spec.num_speculative_tokens
+    outputs, counters, stats = _run(spec, prompts, drafter_spec(config), overlap=False)
+    assert outputs == reference
+    assert stats["matched_rows"] > 0 and stats["hits"] > 0, stats  # both drafted
+    assert stats["drafted_tokens"] - stats["matched_tokens"] <= 2 * (stats["drafted_rows"] - stats["matched_rows"])
+    assert 0 < counters["accepted_tokens"] < counters["draft_tokens"]
+
+
 def test_failing_drafter_falls_back_to_plain_decoding(spec, prompts, reference):
     faulty = faulty_spec(INT8, 3)  # the drafter raises from its 4th batch on
     outputs, counters, stats = _run(spec, prompts, faulty, overlap=False)
@@ -313,13 +335,8 @@ def _chi_square_p(pairs, expected: dict) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
-def test_sampled_speculative_output_has_the_target_distribution(spec, path):
-    """Tokens 1 and 2 of N seeded samples (temperature 1, top-k 6): token 2 is verified by the
-    rejection sampler against a one-token draft. Chi-square against transformers' fp32 p(t1)·p(t2|t1).
-    (vLLM's own expand_batch_to_tokens, shown broken above, gives garbage per-token temperatures here.)"""
-    tokenizer = models.load_tokenizer(path)
-    prompt = encode_prompt(tokenizer, "My favourite colour is", False)
-    top_k, n = 6, 500
+def _expected_pairs(path, prompt: list[int], top_k: int) -> tuple[dict, list]:
+    """transformers' fp32 p(t1)·p(t2|t1) over the top-k support, and each t1's greedy t2 (replayable drafts)."""
     model = models.load_causal_lm(path, "float32", "cpu")
 
     def top_probs(ids):
@@ -334,6 +351,17 @@ def test_sampled_speculative_output_has_the_target_distribution(spec, path):
         greedy_t2.append([prompt + [t1], [max(second, key=second.get)]])
         for t2, p2 in second.items():
             expected[(t1, t2)] = p1 * p2
+    return expected, greedy_t2
+
+
+def test_sampled_speculative_output_has_the_target_distribution(spec, path):
+    """Tokens 1 and 2 of N seeded samples (temperature 1, top-k 6): token 2 is verified by the
+    rejection sampler against a one-token draft. Chi-square against transformers' fp32 p(t1)·p(t2|t1).
+    (vLLM's own expand_batch_to_tokens, shown broken above, gives garbage per-token temperatures here.)"""
+    tokenizer = models.load_tokenizer(path)
+    prompt = encode_prompt(tokenizer, "My favourite colour is", False)
+    top_k, n = 6, 500
+    expected, greedy_t2 = _expected_pairs(path, prompt, top_k)
 
     # drafts for token 2: the target's own greedy choice after each t1 (accepted with probability p(t2*|t1))
     spec.configure(replay_spec(greedy_t2, False, spec.vocab_size, wait_s=5.0, overlap=False))
@@ -343,6 +371,25 @@ def test_sampled_speculative_output_has_the_target_distribution(spec, path):
     assert after["draft_tokens"] - before["draft_tokens"] >= n  # token 2 went through speculation
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
     assert 0 < accepted < after["draft_tokens"] - before["draft_tokens"]  # both accept and reject paths ran
+    p_value = _chi_square_p(pairs, expected)
+    assert p_value > 1e-3, p_value
+
+
+def test_sampled_inline_lookup_has_the_target_distribution(spec, path):
+    """Prompt lookup made in vLLM's step drafts token 2 from the prompt's own earlier text (the prompt
+    repeats itself): chi-square of tokens 1 and 2 against transformers' fp32 p(t1)·p(t2|t1)."""
+    tokenizer = models.load_tokenizer(path)
+    prompt = encode_prompt(tokenizer, "My favourite colour is blue, and my favourite colour is", False)
+    top_k, n = 6, 500
+    expected, _ = _expected_pairs(path, prompt, top_k)
+    spec.configure(drafter_spec(EngineConfig(proposer="ngram", num_speculative_tokens=1)).tuned(wait_s=5.0))
+    before = spec.spec_metrics()
+    pairs = _sample_pairs(spec, prompt, n, top_k)
+    after = spec.spec_metrics()
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    assert drafted >= n // 2 and spec.proposer_stats()["matched_rows"] >= n // 2  # token 2 was drafted inline
+    assert 0 < accepted < drafted  # both accept and reject paths ran
     p_value = _chi_square_p(pairs, expected)
     assert p_value > 1e-3, p_value
 
@@ -393,3 +440,84 @@ def test_proposer_never_raises_into_vllm():
     out = proposer.propose([[1], [2]], np.array([3, 3]), np.zeros((2, 8), dtype=np.int32))
     assert out == [[], []]
     assert proposer.stats["proposer_errors"] == 1 and proposer.stats["empty_rows"] == 2
+
+
+class _Runner:
+    """A test double of vLLM's model runner: what the proposer reads of it (request ids, live requests)."""
+
+    def __init__(self, req_ids):
+        self.input_batch = type("InputBatch", (), {"req_ids": list(req_ids)})()
+        self.requests = dict.fromkeys(req_ids)
+
+
+class _Recorder:
+    """A test double of a drafter client: records calls; a session's first draft is [9, 9], then none."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _done(tokens):
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(tokens)
+        return future
+
+    def start_and_propose(self, session, prompt_ids, k):
+        self.calls.append(("start", session, list(prompt_ids)))
+        return self._done([9, 9])
+
+    def propose(self, session, k, sync=()):
+        self.calls.append(("propose", session))
+        return self._done([])
+
+    def release(self, session):
+        self.calls.append(("release", session))
+
+
+def test_inline_matches_are_drafted_in_the_step():
+    """Proposer ngram's prompt lookup and the hybrid's long matches are made by the proposer itself
+    (no drafter; its rows, limits and request caps), and a row without a long match goes to the drafter,
+    whose session opens on the committed tokens of that row."""
+    lookup = InlineMatches(kind="lookup", max_tokens=3)
+    history = [[5, 6, 7, 8, 5, 6], [1, 2, 3, 4], [9, 4, 9, 4, 9]]
+    proposer = TandemProposer(None)
+    proposer.k = 4
+    proposer.configure(DrafterSpec(matches=lookup), _Runner(["a", "b", "c~k1"]), 0)
+    ids = np.zeros((3, 8), dtype=np.int64)
+    for i, h in enumerate(history):
+        ids[i, :len(h)] = h
+    out = proposer.propose([[6], [4], [9]], np.array([len(h) for h in history]), ids)
+    assert out == [[7, 8, 5], [], [4]]  # lookup's earliest match, 3 tokens; no match; the request's cap of 1
+    assert proposer.stats["matched_rows"] == 2 and proposer.stats["matched_tokens"] == 4
+    assert proposer.sessions == {} and proposer.stats["rows_without_drafter"] == 0
+
+    own = InlineMatches(kind="own", max_tokens=4, min_match=4)
+    recorder = _Recorder()
+    proposer.configure(DrafterSpec(matches=own), _Runner(["a", "b"]), 0)
+    proposer.client = recorder
+    long = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4]  # "1 2 3 4" matched, 4 long: its continuation
+    ids = np.zeros((2, 12), dtype=np.int64)
+    ids[0, :10], ids[1, :4] = long, [7, 8, 7, 8]  # "7 8" is too short a match: the drafter's row
+    out = proposer.propose([[4], [8]], np.array([10, 4]), ids)
+    assert out == [[5, 6, 1, 2], [9, 9]]
+    assert recorder.calls == [("start", "b", [7, 8, 7, 8]), ("propose", "b")]  # overlapped: drafting on
+    assert set(proposer.sessions) == {"a", "b"} and proposer.sessions["b"].opened == 3
+    assert not proposer.sessions["a"].started  # matched only so far: the drafter has not been asked
+
+
+def test_inline_matches_of_a_tandem_config():
+    assert inline_matches(EngineConfig(proposer="ngram", num_speculative_tokens=5, max_ngram=4)) == \
+        InlineMatches(kind="lookup", max_tokens=5, max_ngram=4)
+    hybrid = EngineConfig(proposer="hybrid", num_speculative_tokens=3, match_tokens=16)
+    assert inline_matches(hybrid).kind == "own" and inline_matches(hybrid).max_tokens == 16
+    assert engine_draft_tokens(hybrid) == 16 and engine_draft_tokens(EngineConfig(num_speculative_tokens=3)) == 3
+    assert inline_matches(hybrid.model_copy(update={"own_matches": False})) is None
+    assert inline_matches(EngineConfig(proposer="draft")) is None and inline_matches(EngineConfig(proposer="none")) is None
+    spec = drafter_spec(hybrid)
+    assert spec.engine is not None and spec.max_k == 3 and spec.matches.kind == "own"
+    ngram = drafter_spec(EngineConfig(proposer="ngram"))
+    assert not ngram.has_drafter and ngram.drafts and ngram.matches.kind == "lookup"

@@ -15,6 +15,7 @@ from cluster.core.workloads import workload
 from cluster.model import models
 from cluster.model.models import encode_prompt
 from cluster.vllm.engine import VLLMEngine, drafter_spec
+from cluster.vllm.protocol import engine_draft_tokens
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamm
     for name in workloads:
         texts, chat = workload(name, num_prompts)
         prompts_by_workload[name] = [encode_prompt(tokenizer, t, chat) for t in texts]
-    drafter = drafter_spec(EngineConfig.build(target=str(path), proposer=proposer, draft=draft,
-                                              num_speculative_tokens=gamma, dtype=dtype))
+    tandem_config = EngineConfig.build(target=str(path), proposer=proposer, draft=draft,
+                                       num_speculative_tokens=gamma, dtype=dtype)
+    drafter = drafter_spec(tandem_config)
     report: dict = {"config": {"engine": "vllm", "dtype": dtype, "num_speculative_tokens": gamma,
                                "max_tokens": max_tokens, "prompts": num_prompts, "concurrency": concurrency,
                                "draft": draft, "proposer": proposer, "cpus": os.cpu_count()},
@@ -73,14 +75,15 @@ def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamm
             log.info("%s %s: %.2f tokens/s", name, mode, row["tokens_per_s"])
 
     for method in (None, "tandem", "ngram"):
-        engine = VLLMEngine(path, dtype=dtype, method=method, num_speculative_tokens=gamma)
+        engine = VLLMEngine(path, dtype=dtype, method=method,
+                            num_speculative_tokens=engine_draft_tokens(tandem_config) if method == "tandem" else gamma)
         try:
             if method is None:
                 run(engine, "vllm_target_only")
             elif method == "ngram":
                 run(engine, "vllm_ngram")
             else:
-                for mode in drafter_modes:
+                for mode in (drafter_modes if drafter.has_drafter else ("sync",)):  # inline lookup: no drafter to tune
                     # a fresh drafter per mode (the label is not tuning): the hybrid remembers other
                     # sessions' outputs, and these are the same prompts again
                     engine.configure(drafter.tuned(**DRAFTER_MODES[mode], wait_s=0.5, label=mode))

@@ -58,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                             "server (plain and its ngram method), started and stopped here; interleaved greedy "
                             "streams; --concurrency 1,16 (default here), --prompts per workload")
     bench.add_argument("--peer-servers", default="vllm,vllm_ngram,tandem",
-                       help="with --peer: which servers to start (vllm, vllm_ngram, tandem, tandem_vllm: tandem on "
-                            "its vLLM backend)")
+                       help="with --peer: which servers to start (vllm, vllm_ngram, tandem: --peer-config as it is; "
+                            "tandem_<engine>[_<proposer>], e.g. tandem_torch, tandem_vllm_ngram: with `tandem serve "
+                            "--engine E --proposer P`)")
     bench.add_argument("--peer-config", default="ray_config.yaml", help="with --peer: tandem's Serve config")
     bench.add_argument("--peer-repeats", type=int, default=2, help="with --peer: batches per server at N streams")
     bench.add_argument("--peer-port", type=int, default=8100, help="with --peer: first port (each server +10)")

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -212,9 +213,31 @@ def vllm_argv(model_dir: str, port: int, dtype: str, max_model_len: int, spec: d
     return argv + (["--speculative-config", json.dumps(spec)] if spec else [])
 
 
-def tandem_argv(config: str, port: int, grpc_port: int, engine: str | None = None) -> list[str]:
+TANDEM_ENGINES = ("auto", "torch", "vllm")
+TANDEM_PROPOSERS = ("draft", "ngram", "hybrid")
+
+
+def tandem_flags(name: str) -> list[str]:
+    """`tandem serve` flags for a tandem side's name: "tandem" (the config as it is), then optionally an
+    engine and a proposer, e.g. "tandem_vllm", "tandem_torch_hybrid", "tandem_vllm_ngram"."""
+    head, *parts = name.split("_")
+    if head != "tandem" or len(parts) > 2:
+        raise ValueError(f"unknown server {name!r}: vllm, vllm_ngram or tandem[_{'|'.join(TANDEM_ENGINES)}]"
+                         f"[_{'|'.join(TANDEM_PROPOSERS)}]")
+    flags = []
+    if parts and parts[0] in TANDEM_ENGINES:
+        flags += ["--engine", parts.pop(0)]
+    if parts and parts[0] in TANDEM_PROPOSERS:
+        flags += ["--proposer", parts.pop(0)]
+    if parts:
+        raise ValueError(f"unknown server {name!r}: after tandem_ an engine ({', '.join(TANDEM_ENGINES)}) "
+                         f"then a proposer ({', '.join(TANDEM_PROPOSERS)})")
+    return flags
+
+
+def tandem_argv(config: str, port: int, grpc_port: int, flags: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "deployments.cli", "serve", "--config", config, "--http-port", str(port),
-            "--grpc-port", str(grpc_port)] + (["--engine", engine] if engine else [])
+            "--grpc-port", str(grpc_port), *flags]
 
 
 def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, base_port: int, log_dir: str,
@@ -231,10 +254,8 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
             url = f"http://127.0.0.1:{port}"
             if name in ("vllm", "vllm_ngram"):
                 argv = vllm_argv(model_dir, port, dtype, max_model_len, NGRAM_SPEC if name == "vllm_ngram" else None)
-            elif name in ("tandem", "tandem_vllm"):  # tandem_vllm: the same config with engine.backend vllm
-                argv = tandem_argv(config, port, port + 1, "vllm" if name == "tandem_vllm" else None)
-            else:
-                raise ValueError(f"unknown server {name!r}: vllm, vllm_ngram, tandem or tandem_vllm")
+            else:  # tandem, or the same config with its engine and/or proposer replaced (tandem_vllm_ngram)
+                argv = tandem_argv(config, port, port + 1, tandem_flags(name))
             proc = Process(name, argv, url, env, os.path.join(log_dir, f"{name}.log"))
             procs.append(proc)
             servers.append(Server(name, url, proc.model))

@@ -49,7 +49,7 @@ from cluster.ray.drafter import launch_drafter  # noqa: E402
 from cluster.ray.runtime import init_local_ray  # noqa: E402
 from cluster.session.speculate import GenerationResult, SpeculationStats, validate_request  # noqa: E402
 from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
-from cluster.vllm.protocol import DrafterSpec, RayDrafter  # noqa: E402
+from cluster.vllm.protocol import DrafterSpec, RayDrafter, engine_draft_tokens, inline_matches  # noqa: E402
 from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -234,11 +234,17 @@ class VLLMEngine:
 
 
 def drafter_spec(config: EngineConfig) -> DrafterSpec | None:
-    """The in-worker drafter for an `EngineConfig` (proposer draft / hybrid / ngram), None for 'none'.
-    Its torch threads stay vLLM's (`threads` None: the drafter shares the worker process)."""
+    """The in-worker drafts for an `EngineConfig`, None for proposer 'none': proposer 'ngram' is prompt
+    lookup made by the proposer itself in vLLM's step (`InlineMatches`, no drafter); 'draft' and 'hybrid'
+    have a drafter in the worker, its torch threads vLLM's (`threads` None: it shares the worker process),
+    at most γ tokens a step; the hybrid's long matches are made inline too (`inline_matches`)."""
     if config.proposer == "none" or config.num_speculative_tokens == 0:
         return None
-    return DrafterSpec(engine=config.model_copy(update={"backend": "torch", "threads": None, "device": "cpu"}))
+    matches = inline_matches(config)
+    if config.proposer == "ngram":
+        return DrafterSpec(matches=matches)
+    return DrafterSpec(engine=config.model_copy(update={"backend": "torch", "threads": None, "device": "cpu"}),
+                       matches=matches, max_k=config.num_speculative_tokens)
 
 
 class RemoteDrafter:
@@ -253,9 +259,13 @@ class RemoteDrafter:
         ray.get(self.actor.ready.remote(), timeout=300)
         self.address = ray.get_runtime_context().gcs_address
 
-    def spec(self) -> DrafterSpec:
-        return DrafterSpec(ray=RayDrafter(actor=self.name, namespace=self.namespace, address=self.address,
-                                          auth_mode=os.environ.get("RAY_AUTH_MODE")))
+    def spec(self, config: EngineConfig | None = None) -> DrafterSpec:
+        """The remote drafter's spec; with `config`, its inline matches and γ too (`drafter_spec`)."""
+        ref = RayDrafter(actor=self.name, namespace=self.namespace, address=self.address,
+                         auth_mode=os.environ.get("RAY_AUTH_MODE"))
+        if config is None:
+            return DrafterSpec(ray=ref)
+        return DrafterSpec(ray=ref, matches=inline_matches(config), max_k=config.num_speculative_tokens)
 
     def shutdown(self) -> None:
         try:
@@ -272,15 +282,15 @@ class VLLMDecoder:
         self.remote = None
         spec = None
         if config.proposer != "none" and config.num_speculative_tokens > 0:
-            if distributed:
+            if distributed and config.proposer != "ngram":  # prompt lookup is made in vLLM's step either way
                 self.remote = RemoteDrafter(config)
-                spec = self.remote.spec()
+                spec = self.remote.spec(config)
             else:
                 spec = drafter_spec(config)
         try:
             self.engine = VLLMEngine(config.target, dtype=config.dtype, cache_dir=config.cache_dir,
                                      method="tandem" if spec is not None else None,
-                                     num_speculative_tokens=config.num_speculative_tokens, drafter=spec,
+                                     num_speculative_tokens=engine_draft_tokens(config), drafter=spec,
                                      **engine_kwargs)
         except BaseException:
             if self.remote is not None:

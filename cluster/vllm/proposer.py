@@ -13,6 +13,11 @@ The proposer is a thin, non-blocking client of a tandem drafter (`cluster.vllm.c
 configured by a `DrafterSpec` through the worker extension (`cluster.vllm.worker`); only rank 0 has
 one (vLLM uses rank 0's drafts), the other ranks return `[]`.
 
+Free drafts are made here, in vLLM's step, with no drafter call (`DrafterSpec.matches`): proposer
+`ngram`'s prompt lookup (then there is no drafter at all) and the hybrid's long match rounds (a row
+whose committed suffix has a long enough earlier match gets that match's continuation; the others go
+to the drafter). A request's drafter session is opened at its first row, whichever drafts it gets.
+
 Per request (keyed by vLLM's request id, found through the model runner's `input_batch.req_ids`,
 which the worker extension hands over) the proposer knows exactly what the drafter's sequence is.
 With `overlap` on, after handing vLLM a draft it asks the drafter to keep drafting as if the draft
@@ -40,7 +45,9 @@ from dataclasses import dataclass, field
 from cluster.core.messages import SyncOp
 from cluster.vllm.client import DraftClient, make_client
 from cluster.vllm.patch import fix_rejection_sampler, fix_state
-from cluster.vllm.protocol import DrafterSpec, RequestKey
+from cluster.vllm.protocol import DrafterSpec, InlineMatches, RequestKey
+from drafts.ngram import ngram_lookup
+from drafts.suffix import OwnMatch
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,8 @@ class _Session:
     submitted_at: float = 0.0
     failed: bool = False
     given: int = 0  # draft tokens handed to vLLM at the last step (its verdict arrives with the next)
+    opened: int = 0  # the committed tokens when the proposer first saw the request (its prompt)
+    started: bool = False  # whether the drafter was asked for this session's first draft
     feedback: object = None  # a SyncOp teaching the drafter that verdict, sent with its next call
 
 
@@ -71,6 +80,7 @@ class TandemProposer:
         self._deadline = 0.0
         self.sessions: dict[str, _Session] = {}
         self._drafter_part: dict | None = None
+        self._match = None  # history, limit -> draft: the inline matches of `spec.matches` (None: none)
         self.stats: Counter = Counter()
         self._lock = threading.Lock()
 
@@ -92,12 +102,14 @@ class TandemProposer:
             self._close()
         self.runner, self.rank, self.spec = runner, rank, spec
         self.max_k = self.k if spec.max_k is None else min(self.k, spec.max_k)
+        self._match = _matcher(spec.matches) if rank == 0 else None
         self.stats = Counter()
         if not keep:
             self.client = make_client(spec) if rank == 0 else None
             self._drafter_part = drafter_part
-        log.info("tandem proposer on rank %d: drafter %s, γ ≤ %d, overlap %s, wait %.3fs", rank,
-                 self.client.name if self.client else "none", self.max_k, self.spec.overlap, self.spec.wait_s)
+        log.info("tandem proposer on rank %d: drafter %s, γ ≤ %d, overlap %s, wait %.3fs, inline matches %s", rank,
+                 self.client.name if self.client else "none", self.max_k, self.spec.overlap, self.spec.wait_s,
+                 spec.matches.model_dump() if spec.matches and rank == 0 else None)
 
     def _close(self) -> None:
         if self.client is not None:
@@ -124,7 +136,8 @@ class TandemProposer:
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         rows = len(sampled_token_ids)
         self.stats["steps"] += 1
-        if self.client is None or self.runner is None or self.max_k <= 0:
+        drafter = self.client is not None and self.max_k > 0
+        if self.runner is None or not (drafter or self._match is not None):
             self.stats["rows_without_drafter"] += rows
             return [[] for _ in range(rows)]
         req_ids = self.runner.input_batch.req_ids
@@ -142,9 +155,20 @@ class TandemProposer:
                 self.stats["plain_rows"] += 1
                 out.append([])
                 continue
-            draft = self._row(key, history, len(sampled_token_ids[i]))
-            if cap is not None:
-                draft = draft[:cap]
+            num_new = len(sampled_token_ids[i])
+            limit = self.k if cap is None else min(self.k, cap)
+            s = self.sessions.get(key)
+            if s is None and drafter:
+                s = self.sessions[key] = _Session(opened=len(history) - num_new)
+                self.stats["sessions"] += 1
+            draft = self._match(history, limit) if self._match is not None else []
+            if draft:  # drafted here: the drafter's session (if any) learns the verdict as a resync
+                self.stats["matched_rows"] += 1
+                self.stats["matched_tokens"] += len(draft)
+                if s is not None:
+                    s.given = 0
+            elif drafter:
+                draft = self._row(key, s, history, num_new)[:limit]
             if draft:
                 self.stats["drafted_rows"] += 1
                 self.stats["drafted_tokens"] += len(draft)
@@ -155,9 +179,8 @@ class TandemProposer:
         if live is not None:
             live = {self._key(r) for r in live}
             for session in [s for s in self.sessions if s not in live]:  # finished or aborted
-                self.sessions.pop(session)
-                if not self.spec.registered:  # a registered session is released by its front door
-                    self.client.release(session)
+                if self.sessions.pop(session).started and not self.spec.registered:
+                    self.client.release(session)  # a registered session is released by its front door
                 self.stats["released"] += 1
         return out
 
@@ -166,15 +189,13 @@ class TandemProposer:
         door gave the request."""
         return RequestKey.from_vllm(rid) if self.spec.registered else rid
 
-    def _row(self, rid: str, history: list[int], num_new: int) -> list[int]:
+    def _row(self, rid: str, s: _Session, history: list[int], num_new: int) -> list[int]:
         k = self.max_k
-        s = self.sessions.get(rid)
-        if s is None:
-            s = self.sessions[rid] = _Session()
-            self.stats["sessions"] += 1
+        if not s.started:
+            s.started = True
             n = k + 1 if self.spec.overlap else k
             if self.spec.registered:  # the front door opened it on the prompt, before vLLM's prefill
-                self._submit(s, self.client.resume(rid, len(history) - num_new, history, n), history)
+                self._submit(s, self.client.resume(rid, s.opened, history, n), history)
             else:
                 self._submit(s, self.client.start_and_propose(rid, history, n), history)
             if not self.spec.wait_first and not s.pending.done():  # the first token leaves now; drafts next step
@@ -273,6 +294,16 @@ class TandemProposer:
         with self._lock:
             return dict(self.stats, rank=self.rank, sessions_open=len(self.sessions),
                         drafter=self.client.name if self.client else "none", fix=fix_state())
+
+
+def _matcher(matches: InlineMatches | None):
+    """(history, limit) -> up to `limit` inline draft tokens, for `matches` (None: no inline matches)."""
+    if matches is None:
+        return None
+    if matches.kind == "lookup":
+        return lambda history, limit: ngram_lookup(history, min(limit, matches.max_tokens), matches.max_ngram)
+    own = OwnMatch(matches.max_tokens, matches.min_match, matches.max_ngram)
+    return own.propose
 
 
 PROPOSER_CLASS = f"{TandemProposer.__module__}.{TandemProposer.__qualname__}"  # vLLM's `speculative_config.model`

@@ -1,6 +1,7 @@
 """What the engine and the front door tell tandem's proposer inside vLLM's workers.
 
-- `DrafterSpec`: where the drafts come from and how the proposer waits for them, sent to every rank
+- `DrafterSpec`: where the drafts come from (a drafter, and/or matches the proposer makes itself,
+  `InlineMatches`) and how the proposer waits for them, sent to every rank
   through `collective_rpc("tandem_configure", args=(spec.wire(),))` (vLLM carries plain data only:
   the worker validates the dict back into a `DrafterSpec`).
 - `RequestKey`: the request id the front door gives vLLM, `<session>~k<n>` when the request caps its
@@ -17,8 +18,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.core.config import EngineConfig
+from drafts.suffix import OwnMatch
 
-TUNING = ("max_k", "overlap", "wait_s", "on_miss", "wait_first")  # changing only these keeps the drafter
+TUNING = ("max_k", "overlap", "wait_s", "on_miss", "wait_first", "matches")  # changing only these keeps the drafter
 
 
 class RayDrafter(BaseModel):
@@ -42,6 +44,24 @@ class ProposerImport(BaseModel):
     kwargs: dict = Field(default_factory=dict)
 
 
+class InlineMatches(BaseModel):
+    """Drafts the proposer makes itself, inside vLLM's step, from a request's committed tokens: no drafter
+    call, no thread, no round trip (`drafts.suffix`). Lossless whatever they propose (one-hot q).
+
+    - `lookup`: prompt lookup, the `ngram` proposer's own (`drafts.ngram.ngram_lookup`: the earliest match
+      of the last n tokens, n from `max_ngram` down to 1), up to `max_tokens`;
+    - `own`: the hybrid's long match rounds (`drafts.suffix.OwnMatch`): a match of the suffix at least
+      `min_match` tokens long proposes up to `max_tokens` of its continuation; without one the row goes
+      to the drafter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["lookup", "own"]
+    max_tokens: int = Field(..., ge=1, le=32)
+    max_ngram: int = Field(3, ge=1, le=16)
+    min_match: int = Field(4, ge=1, le=32, description="`own` only: the shortest match drafted inline.")
+
+
 class DrafterSpec(BaseModel):
     """One drafter for the proposer: at most one of `engine`, `ray`, `proposer_import`; none of them
     means no drafter (plain decoding). The tuning fields (`TUNING`) may change without a new drafter."""
@@ -58,6 +78,7 @@ class DrafterSpec(BaseModel):
     wait_s: float = Field(0.2, ge=0, description="How long one step waits for its drafts; a late row gets no draft (a plain step).")
     on_miss: Literal["plain", "wait"] = Field("plain", description="Overlapped, a missed draft means one plain step ('plain') or waiting for the redraft ('wait').")
     wait_first: bool = Field(True, description="A request's first step waits for its first draft (else: one plain step, the first token leaves at once).")
+    matches: InlineMatches | None = Field(None, description="Drafts the proposer makes itself from the committed tokens (before, or instead of, the drafter's).")
 
     @model_validator(mode="after")
     def _one_source(self) -> "DrafterSpec":
@@ -69,6 +90,11 @@ class DrafterSpec(BaseModel):
     @property
     def has_drafter(self) -> bool:
         return self.engine is not None or self.ray is not None or self.proposer_import is not None
+
+    @property
+    def drafts(self) -> bool:
+        """Whether anything drafts: a drafter or inline matches."""
+        return self.has_drafter or self.matches is not None
 
     def tuned(self, **changes) -> "DrafterSpec":
         """This spec with `changes` (any fields), validated."""
@@ -116,3 +142,26 @@ class RequestKey:
         if len(internal_id) > VLLM_SUFFIX_LEN and internal_id[-VLLM_SUFFIX_LEN] == "-":
             return internal_id[:-VLLM_SUFFIX_LEN]
         return internal_id
+
+
+def inline_matches(config: EngineConfig) -> InlineMatches | None:
+    """The matches vLLM's proposer drafts itself for a tandem engine config: proposer `ngram`'s prompt lookup
+    (all its drafts: no drafter at all), the hybrid's long match rounds (`own_matches`, `match_tokens` > γ;
+    the rest of its rounds are the drafter's). None for the others."""
+    gamma = config.num_speculative_tokens
+    if config.proposer == "none" or gamma == 0:
+        return None
+    if config.proposer == "ngram":
+        return InlineMatches(kind="lookup", max_tokens=gamma, max_ngram=config.max_ngram)
+    own = OwnMatch.for_rounds(config.match_tokens, gamma, max_ngram=config.max_ngram) \
+        if config.proposer == "hybrid" and config.own_matches else None
+    if own is None:
+        return None
+    return InlineMatches(kind="own", max_tokens=own.max_tokens, max_ngram=own.max_ngram, min_match=own.min_match)
+
+
+def engine_draft_tokens(config: EngineConfig) -> int:
+    """vLLM's `num_speculative_tokens` for a tandem engine config: γ, or the inline matches' length when longer
+    (the drafter's own drafts stay at most γ: `DrafterSpec.max_k`)."""
+    matches = inline_matches(config)
+    return max(config.num_speculative_tokens, matches.max_tokens if matches else 0)

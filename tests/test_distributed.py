@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -356,7 +357,10 @@ def test_pipelined_sampling_follows_target(ray_local, tiny_dirs):
         prompt = [1, 4, 2, 7]
         params = SamplingParams(temperature=1.0, max_tokens=3)
         exact = exact_continuation_probs(load_causal_lm(target_dir, "float32", "cpu"), prompt, 3, params)
-        samples = [tuple(cluster.generate(prompt, params.model_copy(update={"seed": i})).token_ids) for i in range(1500)]
+        # 8 sessions at a time (the router runs them concurrently; the verifier batches their rounds)
+        with ThreadPoolExecutor(8) as pool:
+            samples = list(pool.map(lambda i: tuple(cluster.generate(prompt, params.model_copy(update={"seed": i}))
+                                                    .token_ids), range(1500)))
         assert cluster.router.metrics.stale_rounds > 0, "rejections with rounds in flight must have happened"
         assert chi_square_pvalue(samples, exact) > FALSE_ALARM
     finally:

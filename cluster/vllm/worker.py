@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from cluster.vllm.patch import fix_rejection_sampler, fix_state
+from cluster.vllm.patch import fix_cpu_generators, fix_rejection_sampler, fix_state
 from cluster.vllm.proposer import PROPOSER_CLASS, TandemProposer
 from cluster.vllm.protocol import DrafterSpec
 
@@ -36,6 +36,7 @@ class TandemWorkerExtension:
         """Apply the guarded rejection-sampler fix in this worker (a no-op where it is not needed or
         already applied); its state."""
         fix_rejection_sampler()
+        fix_cpu_generators()  # seeded requests' partial prefills (before any request)
         return fix_state()
 
     def tandem_fix_state(self) -> dict:

@@ -80,9 +80,39 @@ def llm_config(config: TandemAppConfig):
                   "health_check_period_s": 10, "health_check_timeout_s": 60, "ray_actor_options": {"num_cpus": 0},
                   **spec.replica_options()}
     return LLMConfig(model_loading_config={"model_id": config.model_id, "model_source": str(path)},
+                     callback_config={"callback_class": LOCAL_MODEL_CALLBACK},
                      placement_group_config={"bundles": [bundle] * config.tensor_parallel_size,
                                              "strategy": "STRICT_PACK"},
                      engine_kwargs=engine_kwargs, runtime_env={"env_vars": env}, deployment_config=deployment)
+
+
+def _callback_base():
+    from ray.llm._internal.common.callbacks.base import CallbackBase
+
+    return CallbackBase
+
+
+class LocalModelCallback(_callback_base()):
+    """Serve LLM's node initialisation for a model already on this node's disk: its replica normally runs a
+    task per node of its placement group to download the model files (a fresh worker process each time,
+    ~15 s here); a local directory with every bundle on this node has nothing to download, so that step is
+    skipped (`CallbackCtx.run_init_node`). Anything else goes through Serve LLM's own initialisation."""
+
+    async def on_before_node_init(self) -> None:
+        import ray
+        from ray.util import placement_group_table
+
+        source = self.llm_config.model_loading_config.model_source
+        group = self.ctx.placement_group
+        if not isinstance(source, str) or not os.path.isdir(source) or group is None:
+            return
+        nodes = set(placement_group_table(group)["bundles_to_node_id"].values())
+        if nodes == {ray.get_runtime_context().get_node_id()}:
+            self.ctx.run_init_node = False
+            log.info("model files %s are on this node: no download tasks", source)
+
+
+LOCAL_MODEL_CALLBACK = f"{LocalModelCallback.__module__}.{LocalModelCallback.__qualname__}"
 
 
 def _resumed(sampling: SamplingParams, done: int, remaining: int) -> SamplingParams | None:

@@ -320,13 +320,14 @@ def _stream_and_kill(client, prompt: str, max_tokens: int, kill) -> list[int]:
 
 def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, references):
     """A second application whose verifier replicas are TP = 3 (one STRICT_PACK group of 3 bundles:
-    rank 0 in the Serve replica, ranks 1-2 as actors in its group): same greedy tokens."""
+    rank 0 in the Serve replica, ranks 1-2 as actors in its group): same greedy tokens. Plain decoding
+    (no drafter deployment to start): speculation against TP ranks is tests/test_distributed.py's."""
     from ray import serve
     from ray.util import placement_group_table
 
     from deployments.builder import build_app
 
-    serve.run(build_app({"engine": {"dtype": "float32", "threads": 1}, "tensor_parallel_size": 3}),
+    serve.run(build_app({"engine": {"dtype": "float32", "threads": 1, "proposer": "none"}, "tensor_parallel_size": 3}),
               name="tp", route_prefix="/tp")
     try:
         groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]

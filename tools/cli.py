@@ -14,7 +14,7 @@ from deployments.cli import run_command
 from tools.bench import format_report, run_bench, write_json
 from tools.bench_distributed import format_distributed, run_distributed_bench
 from tools.loadgen import format_endpoint_report, run_endpoint_bench
-from tools.peer_bench import compare, merge_alone, start_servers
+from tools.peer_bench import compare, merge_alone, split_bind, start_servers
 from tools.peer_bench import format_report as format_peer_report
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--peer-servers", default="vllm,vllm_ngram,tandem",
                        help="with --peer: which servers to start (vllm, vllm_ngram, tandem: --peer-config as it is; "
                             "tandem_<engine>[_<proposer>], e.g. tandem_torch, tandem_vllm_ngram: with `tandem serve "
-                            "--engine E --proposer P`)")
+                            "--engine E --proposer P`); a side may end in @BIND, its own VLLM_CPU_OMP_THREADS_BIND "
+                            "(vllm@0-1,tandem_vllm_none@0)")
     bench.add_argument("--peer-config", default="ray_config.yaml", help="with --peer: tandem's Serve config")
     bench.add_argument("--peer-repeats", type=int, default=2, help="with --peer: batches per server at N streams")
     bench.add_argument("--peer-port", type=int, default=8100, help="with --peer: first port (each server +10)")
@@ -100,7 +101,8 @@ def _peer(args) -> int:
     report.update(dtype=dtype, prompts=args.prompts, cpus=os.cpu_count(),
                   given={"vllm": f"VLLM_CPU_OMP_THREADS_BIND={args.peer_vllm_bind} (also on tandem's vLLM "
                                  f"replicas), VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')} GiB",
-                         "tandem": f"{args.peer_config} as it is (its `threads` for the torch engine)"})
+                         "tandem": f"{args.peer_config} as it is (its `threads` for the torch engine)",
+                         "binds": {side: split_bind(side, args.peer_vllm_bind)[1] for side in which}})
     print(format_peer_report(report))
     if args.json:
         write_json(report, args.json)

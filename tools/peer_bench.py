@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -214,12 +215,22 @@ def vllm_argv(model_dir: str, port: int, dtype: str, max_model_len: int, spec: d
 
 
 TANDEM_ENGINES = ("auto", "torch", "vllm")
-TANDEM_PROPOSERS = ("draft", "ngram", "hybrid")
+TANDEM_PROPOSERS = ("draft", "ngram", "hybrid", "none")
+
+
+def split_bind(name: str, default: str) -> tuple[str, str]:
+    """A server name with an optional "@BIND" (e.g. "vllm@0", "tandem_vllm_none@0-1"): the server, and
+    the VLLM_CPU_OMP_THREADS_BIND its vLLM engines get (`default` without one)."""
+    server, _, bind = name.partition("@")
+    if "@" in name and not re.fullmatch(r"auto|nobind|[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*", bind):
+        raise ValueError(f"{name!r}: after @ a VLLM_CPU_OMP_THREADS_BIND value (auto, nobind, 0, 0-1, 0,1)")
+    return server, bind or default
 
 
 def tandem_flags(name: str) -> list[str]:
     """`tandem serve` flags for a tandem side's name: "tandem" (the config as it is), then optionally an
-    engine and a proposer, e.g. "tandem_vllm", "tandem_torch_hybrid", "tandem_vllm_ngram"."""
+    engine and a proposer, e.g. "tandem_vllm", "tandem_torch_hybrid", "tandem_vllm_ngram"
+    ("tandem_vllm_none": no speculation at all, not even an idle proposer in the engine)."""
     head, *parts = name.split("_")
     if head != "tandem" or len(parts) > 2:
         raise ValueError(f"unknown server {name!r}: vllm, vllm_ngram or tandem[_{'|'.join(TANDEM_ENGINES)}]"
@@ -242,25 +253,28 @@ def tandem_argv(config: str, port: int, grpc_port: int, flags: Sequence[str] = (
 
 def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, base_port: int, log_dir: str,
                   which: tuple[str, ...], vllm_bind: str = "auto") -> tuple[list[Process], list[Server]]:
-    """Start the servers `which` names (vllm, vllm_ngram, tandem, tandem_vllm): their processes, and the
-    sides of the comparison (each tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
-    env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+    """Start the servers `which` names (vllm, vllm_ngram, tandem, tandem_vllm; each optionally @BIND, its
+    own VLLM_CPU_OMP_THREADS_BIND instead of `vllm_bind`): their processes, and the sides of the comparison
+    (each speculative tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
+    base_env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_CPU_OMP_THREADS_BIND": vllm_bind, **TELEMETRY_OFF}  # every vLLM engine alike (tandem's Ray workers inherit it)
     procs, servers = [], []
     try:
-        for i, name in enumerate(which):
+        for i, side in enumerate(which):
+            name, bind = split_bind(side, vllm_bind)
+            env = {**base_env, "VLLM_CPU_OMP_THREADS_BIND": bind}
             port = base_port + 10 * i
             url = f"http://127.0.0.1:{port}"
             if name in ("vllm", "vllm_ngram"):
                 argv = vllm_argv(model_dir, port, dtype, max_model_len, NGRAM_SPEC if name == "vllm_ngram" else None)
             else:  # tandem, or the same config with its engine and/or proposer replaced (tandem_vllm_ngram)
                 argv = tandem_argv(config, port, port + 1, tandem_flags(name))
-            proc = Process(name, argv, url, env, os.path.join(log_dir, f"{name}.log"))
+            proc = Process(side, argv, url, env, os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
             procs.append(proc)
-            servers.append(Server(name, url, proc.model))
-            if name.startswith("tandem"):
-                servers.append(Server(f"{name}_plain", url, proc.model, PLAIN))
+            servers.append(Server(side, url, proc.model))
+            if name.startswith("tandem") and not name.endswith("_none"):
+                servers.append(Server(f"{side}_plain", url, proc.model, PLAIN))
     except Exception:
         for proc in procs:
             proc.stop()

@@ -92,6 +92,7 @@ class VLLMServingConfig(BaseModel):
     wait_s: float = Field(0.2, ge=0, le=30, description="How long vLLM's proposer waits for a draft per step before a plain step.")
     wait_first: bool = Field(True, description="Whether a request's first step waits for its first draft (vLLM samples the first token in that step, so waiting may delay it; not waiting costs one plain step). Not waiting did not lower the served TTFT here (BENCHMARKS.md).")
     on_miss: Literal["plain", "wait"] = Field("plain", description="Overlapped, when the drafter's draft missed the committed tokens: 'plain' (one plain step while it redrafts) or 'wait' (wait up to wait_s for the redraft).")
+    compile: bool = Field(True, description="vLLM's torch.compile of the model, its own default (false: eager, vLLM's enforce_eager). Measured here on CPU: 31 ms a token against 49 eager at one stream, at 160 s of startup against 35 (BENCHMARKS.md); eager suits short-lived servers such as tests.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="More vLLM engine arguments, passed as they are (e.g. gpu_memory_utilization).")
 
 

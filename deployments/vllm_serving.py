@@ -62,7 +62,7 @@ def llm_config(config: TandemAppConfig):
     on_gpu = config.verifier.placement.num_gpus > 0
     bundle = {"GPU": 1.0, "CPU": 1.0} if on_gpu else config.verifier.placement.bundle()
     engine_kwargs = {"dtype": engine.dtype, "max_model_len": vllm.max_model_len, "seed": 0,
-                     "tensor_parallel_size": config.tensor_parallel_size, "enforce_eager": not on_gpu,
+                     "tensor_parallel_size": config.tensor_parallel_size, "enforce_eager": not vllm.compile,
                      "worker_extension_cls": WORKER_EXTENSION, "disable_log_stats": False}
     if config.speculative:
         engine_kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,

@@ -69,7 +69,7 @@ def test_distillation_raises_acceptance_on_held_out_text(target_fp32, tokenizer,
     code, prose = stdlib_texts(max_files=400)
     train, held_out = code[40:] + prose[10:], code[:6] + prose[:2]
     config = DistillConfig(layers=[0], vocab_size=2048, seq_len=64, batch_size=4, lr=2e-3, max_tokens=60 * 256,
-                           chat_samples=0, seed=0, checkpoint_every=20, threads=2)
+                           chat_samples=0, seed=0, checkpoint_every=20, threads=1)
     report = distill(target_fp32, tokenizer, tmp_path, config, texts=train, eval_texts=held_out, progress=False)
     assert report["finished"] and report["steps"] == 60
     assert report["alpha_held_out_after"] > report["alpha_held_out_before"] + 0.05, report
@@ -131,3 +131,27 @@ def test_validate_cli_gate(tmp_path):
     assert "recommended γ" in ok.stdout and (tmp_path / "v.png").stat().st_size > 1000
     gate = subprocess.run(base + ["--min-acceptance", "0.999"], capture_output=True, text=True, env=env, timeout=600)
     assert gate.returncode == 1 and "below --min-acceptance" in gate.stderr
+
+
+def test_training_gives_the_callers_torch_threads_back():
+    """A training entry point runs with its config's threads and restores the caller's (a pytest worker or a
+    server that trains keeps its own count: two workers on two cores must not each take both)."""
+    from types import SimpleNamespace
+
+    from drafts.training import restores_torch_threads
+
+    inside = []
+
+    @restores_torch_threads
+    def train(target, tokenizer, out_dir, config):
+        inside.append(torch.get_num_threads())
+        raise RuntimeError("interrupted")
+
+    before = torch.get_num_threads()
+    want = 2 if before != 2 else 1
+    with pytest.raises(RuntimeError):
+        train(None, None, None, SimpleNamespace(threads=want))
+    assert inside == [want] and torch.get_num_threads() == before
+    train_kw = restores_torch_threads(lambda target, tokenizer, out_dir, config: torch.get_num_threads())
+    assert train_kw(None, None, None, config=SimpleNamespace(threads=want)) == want
+    assert torch.get_num_threads() == before

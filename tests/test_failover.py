@@ -209,7 +209,7 @@ def test_leases_of_a_dead_holder_are_ended_and_their_sessions_released():
 def test_no_session_leaks_after_disconnects_and_timeouts(server):
     """16 clients go away at random points (before the first token, mid-stream, by a client timeout,
     after the end, non-streaming ones by timeout): afterwards nothing holds a session or a lease.
-    (A killed router's sessions: `test_sixteen_streams_survive_a_kill`.)"""
+    (A killed router's sessions: `test_sixteen_streams_survive_a_kill_of_each_part`.)"""
     rng = random.Random(0)
     body = {"model": MODEL, "prompt": PROMPTS[2][0], "max_tokens": 400, "temperature": 0.7, "ignore_eos": True}
 
@@ -237,44 +237,57 @@ def test_no_session_leaks_after_disconnects_and_timeouts(server):
     _assert_nothing_held(90)
 
 
-@pytest.mark.parametrize("victim", ["router", "verifier", "drafter"])
-def test_sixteen_streams_survive_a_kill(server, client, tokenizer, prompt_ids, references, victim):
-    """16 concurrent greedy streams (12 HTTP, 4 gRPC); once every stream has sent tokens the router
-    replica (streams resumed by the ingress), the verifier replica (sessions replayed by the router)
-    or the drafter (plain decoding) is killed: every stream completes with the reference tokens, its
-    text once, the same usage. Afterwards nothing holds a session or a lease: a killed router's
-    sessions are released by the verifier and the drafter, which find their lease holder gone."""
+KILL_ORDER = ("drafter", "router", "verifier")  # quickest recovery first: the streams outlive all three
+
+
+def test_sixteen_streams_survive_a_kill_of_each_part(server, client, tokenizer, prompt_ids, references):
+    """16 concurrent greedy streams (12 HTTP, 4 gRPC). Once every stream has sent tokens the drafter is
+    killed (plain decoding until Ray restarts it); once the streams have moved on, the router replica
+    (streams resumed by the ingress); once they have moved on again, the verifier replica (sessions
+    replayed by the router). Every stream completes with the reference tokens, its text once, the same
+    usage. Afterwards nothing holds a session or a lease: a killed router's sessions are released by the
+    verifier and the drafter, which find their lease holder gone."""
     n = 2 * len(PROMPTS)
-    started = [threading.Event() for _ in range(n)]
-    before = [0] * n
+    progress = [0] * n  # tokens each stream has received so far
 
     def one(i: int):
         prompt, chat = PROMPTS[i % len(PROMPTS)]
 
         def seen(ids):
-            if ids and not started[i].is_set():
-                before[i] = len(ids)
-                started[i].set()
+            progress[i] = len(ids)
         if i % 4 == 3:
             ids, text, completion = _grpc_stream(server, prompt, chat, seen, MAX_TOKENS)
             return ids, text, completion
         ids, text, usage = _stream(client, prompt, chat, on_chunk=seen, max_tokens=MAX_TOKENS, temperature=0)
         return ids, text, usage.completion_tokens
 
+    def wait_for(condition, what: str, timeout_s: float = 300) -> None:
+        deadline = time.time() + timeout_s
+        while not condition():
+            assert time.time() < deadline, what
+            time.sleep(0.05)
+
+    at_kill: dict[str, list[int]] = {}
+    killed: dict[str, str] = {}
     with ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(one, i) for i in range(n)]
-        for event in started:
-            assert event.wait(300), "a stream sent nothing"
-        killed = _kill(victim)
+        wait_for(lambda: all(progress), "a stream sent nothing")
+        for victim in KILL_ORDER:
+            if at_kill:  # the streams moved on since the last kill (or all ended: asserted below)
+                wait_for(lambda target=sum(progress) + n: sum(progress) >= target or all(f.done() for f in futures),
+                         f"no progress after the {list(at_kill)[-1]} was killed")
+            at_kill[victim] = list(progress)
+            killed[victim] = _kill(victim)
         results = [f.result(timeout=600) for f in futures]
-    if victim != "drafter":
-        assert _replica(VICTIMS[victim])[0] != killed  # Serve started another replica
+    for victim in ("router", "verifier"):
+        assert _replica(VICTIMS[victim])[0] != killed[victim]  # Serve started another replica
     for i, (ids, text, completion) in enumerate(results):
         ref = references[tuple(prompt_ids[i % len(PROMPTS)])]
         assert ids == ref, f"stream {i} differs from transformers' greedy output"
         assert text == tokenizer.decode(ref, skip_special_tokens=True), f"stream {i}: text repeated or missing"
         assert completion == len(ref)
-    assert any(before[i] < len(results[i][0]) for i in range(n)), "the kill came after every stream ended"
+    for victim, seen in at_kill.items():
+        assert any(seen[i] < len(results[i][0]) for i in range(n)), f"the {victim} was killed after every stream ended"
     _assert_nothing_held(60)
 
 

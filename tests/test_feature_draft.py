@@ -22,7 +22,7 @@ def target(model_dir):
 
 def test_tiny_run_resumes_and_exports(target, tokenizer, tmp_path, monkeypatch):
     code, prose = stdlib_texts(max_files=40)
-    config = FeatureDistillConfig(epochs=4, max_tokens=4096, vocab_size=512, eval_every=8, threads=2, chat_samples=2, unroll=2,
+    config = FeatureDistillConfig(epochs=4, max_tokens=4096, vocab_size=512, eval_every=8, threads=1, chat_samples=2, unroll=2,
                                   chat_new_tokens=4, batch_size=4, eval_humaneval=1, eval_chat=1, eval_new_tokens=8,
                                   cache_dir=str(tmp_path / "cache"))
     out = tmp_path / "draft"

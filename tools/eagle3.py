@@ -40,6 +40,7 @@ import torch
 from cluster.core.tree import additive_mask
 from cluster.model import models
 from drafts.eagle3_model import KIND, META, WEIGHTS, Eagle3Draft
+from drafts.training import restores_torch_threads
 from drafts.training.distill import frequent_vocab
 from drafts.training.feature_draft import _eval_sets
 from tools.draftdata.shards import Manifest, read_shard
@@ -162,6 +163,7 @@ def evaluate(target, draft: Eagle3Draft, sets: dict, steps: int) -> dict:
     return result
 
 
+@restores_torch_threads
 def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | None = None) -> dict:
     """Train (or resume) into `out_dir`; returns the exported tandem_draft.json. `eval_sets` replaces the
     held-out HumanEval / chat sets (tests)."""
@@ -169,7 +171,6 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
     deadline = started + 60 * config.max_minutes if config.max_minutes else float("inf")
     out, data = Path(out_dir), Path(config.data).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     target.eval()
     ckpt = out / CHECKPOINT

@@ -89,10 +89,8 @@ class SamplingParams(BaseModel):
     @property
     def vllm_refused_fields(self) -> list[str]:
         """The set processor fields the vLLM backend does not serve: vLLM refuses `min_p` and `logit_bias`
-        with speculative decoding (`SamplingParams._validate_spec_decode`), and tandem does not hand it
-        pre-tokenized `bad_words` yet. The torch backend serves all three."""
-        return [name for name, on in (("min_p", self.min_p > 0.0), ("logit_bias", bool(self.logit_bias)),
-                                      ("bad_words", bool(self.bad_words))) if on]
+        with speculative decoding (`SamplingParams._validate_spec_decode`). The torch backend serves both."""
+        return [name for name, on in (("min_p", self.min_p > 0.0), ("logit_bias", bool(self.logit_bias))) if on]
 
     def check_vocab(self, vocab_size: int) -> None:
         """Every token id the processors name lies in the vocabulary (InvalidRequestError otherwise)."""

@@ -78,12 +78,19 @@ def to_vllm_params(params: SamplingParams, **extra):
                                   "logit_bias with speculative decoding); the torch backend serves them")
     # vLLM applies these to the target's logits at every draft position (rejection_sampler.py); tandem's
     # drafts reach it as one-hot proposals, so any draft stays lossless
-    return VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                   top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
-                   ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
-                   frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-                   min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids) or None,
-                   allowed_token_ids=params.allowed_token_ids, logprobs=params.logprobs, **extra)
+    out = VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                  top_k=params.top_k, seed=params.seed, stop=list(params.stop) or None,
+                  ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
+                  frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+                  min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids) or None,
+                  allowed_token_ids=params.allowed_token_ids, logprobs=params.logprobs, **extra)
+    if params.bad_words:
+        # already token sequences (tokenized as vLLM's `update_from_tokenizer` would, and the gRPC API's are
+        # ids): set where that method puts them, which it leaves alone while `bad_words` (the strings) is
+        # empty; the field travels to the engine core with the rest, and vLLM's rejection sampler applies it
+        # at every draft position given the output plus the earlier drafts (`apply_bad_words_with_drafts`)
+        out._bad_words_token_ids = [list(word) for word in params.bad_words]
+    return out
 
 
 def from_vllm_logprobs(token_ids: Sequence[int], logprobs, top: int) -> list[TokenLogprob]:

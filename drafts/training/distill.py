@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafts.small_draft import DraftSpec, build_draft, save_draft, trainable_parameters
+from drafts.training import restores_torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ def _windows(stream: list[int], seq_len: int, rng: random.Random, n: int) -> tor
     return torch.tensor([stream[s:s + seq_len] for s in starts])  # [n, seq_len]
 
 
+@restores_torch_threads
 def distill(target, tokenizer, out_dir: str | Path, config: DistillConfig, texts: list[str] | None = None,
             eval_texts: list[str] | None = None, held_out: set[str] = frozenset(), progress: bool = True) -> dict:
     """Train (or resume training) a draft into `out_dir`; returns the report (also written as report.json)."""
@@ -169,7 +171,6 @@ def distill(target, tokenizer, out_dir: str | Path, config: DistillConfig, texts
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    torch.set_num_threads(config.threads)
     rng = random.Random(config.seed)
     started = time.time()
     if texts is None:

@@ -33,8 +33,22 @@ import torch.nn.functional as F
 
 from cluster.core.workloads import CHAT_PROMPTS, humaneval_prompts
 from cluster.model.models import encode_prompt
-from drafts.feature_model import CHECKPOINT, CURVE, META, WEIGHTS, FeatureDraft, load_feature_draft
-from drafts.training.distill import build_corpus, chat_corpus, frequent_vocab, package_code, stdlib_texts
+from drafts.feature_model import (
+    CHECKPOINT,
+    CURVE,
+    META,
+    WEIGHTS,
+    FeatureDraft,
+    load_feature_draft,
+)
+from drafts.training import restores_torch_threads
+from drafts.training.distill import (
+    build_corpus,
+    chat_corpus,
+    frequent_vocab,
+    package_code,
+    stdlib_texts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +218,7 @@ def cost_ratio(target, draft: FeatureDraft, ids: list[int], repeats: int = 20) -
     return {"target_step_ms": 1e3 * t_target, "draft_step_ms": 1e3 * t_draft, "c": t_draft / t_target}
 
 
+@restores_torch_threads
 def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, held_out=frozenset(),
                     texts: tuple[list[str], list[str]] | None = None) -> dict:
     """Train (or resume) a feature-fed draft into `out_dir` (fp32 weights; matmuls in `config.precision`); returns (and
@@ -214,7 +229,6 @@ def distill_feature(target, tokenizer, out_dir, config: FeatureDistillConfig, he
     out, cache = Path(out_dir), Path(config.cache_dir).expanduser() / Path(target.config.name_or_path).name
     out.mkdir(parents=True, exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     target.eval()
     windows, data = _windows(target, tokenizer, config, cache, set(held_out), texts)  # [N, T]

@@ -10,11 +10,11 @@ import json
 import sys
 import time
 
+from cluster.model import models
+
 
 def main(mode: str) -> None:
     from vllm import LLM, SamplingParams
-
-    from cluster.model import models
 
     path = str(models.resolve_model_path("default", None))
     t0 = time.time()

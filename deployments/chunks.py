@@ -1,10 +1,11 @@
 """The messages of one request's stream, router deployment -> ingress, and what the ingress has sent of it.
 
-A router (`deployments/router.py`, or `VLLMRouterDeployment` on vLLM) yields `TokensChunk`s as tokens
-are committed, then one `FinishChunk`; a refused or failed request yields one `ErrorChunk` instead (or
-after the tokens it sent). The ingress and its failover tell them apart by type. They cross Serve
-handles (pickled), so they are plain frozen dataclasses of builtins. A vLLM verifier replica answers
-its router with `StepTokens`, then `StepFinish` (or an `ErrorChunk`).
+A router (`deployments/router.py`, or `VLLMRouterDeployment` on vLLM) yields, where the request asks
+for prompt logprobs, one `PromptChunk` first, then `TokensChunk`s as tokens are committed, then one
+`FinishChunk`; a refused or failed request yields one `ErrorChunk` instead (or after the tokens it sent).
+The ingress and its failover tell them apart by type. They cross Serve handles (pickled), so they are
+plain frozen dataclasses of builtins. A vLLM verifier replica answers its router with the `PromptChunk`
+(where asked), `StepTokens`, then `StepFinish` (or an `ErrorChunk`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ from dataclasses import asdict, dataclass, field
 
 from cluster.core.logprobs import TokenLogprob
 from cluster.core.stats import SpeculationStats
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """The prompt's logprobs (`SamplingParams.prompt_logprobs`): one per prompt token after the first, the
+    target's raw log-softmax with the token's rank (`cluster.core.logprobs.prompt_logprobs`). Sent once,
+    before any token (a resumed session does not send it again)."""
+
+    logprobs: list[TokenLogprob]
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,7 @@ class ErrorChunk:
     message: str
 
 
-Chunk = TokensChunk | FinishChunk | ErrorChunk
+Chunk = PromptChunk | TokensChunk | FinishChunk | ErrorChunk
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args) -> int:
+    if args.max_tokens < 1:  # 0 (score the prompt only) is an HTTP completions feature, with echo
+        raise InvalidRequestError(f"max_tokens: must be at least 1 (got {args.max_tokens})")
     params = SamplingParams.build(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, seed=args.seed, stop=args.stop, logprobs=args.logprobs,
                                   logprobs_mode=args.logprobs_mode)

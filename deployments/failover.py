@@ -20,7 +20,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.util import metrics
 
 from cluster.core.sampling import SamplingParams
-from deployments.chunks import Chunk, ErrorChunk, SessionProgress, TokensChunk
+from deployments.chunks import Chunk, ErrorChunk, PromptChunk, SessionProgress, TokensChunk
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,14 @@ async def resumable_stream(router, prompt_ids: list[int], params: SamplingParams
     (`SamplingParams.with_seed`, at the ingress): every attempt draws the same numbers."""
     progress = SessionProgress()
     attempt = 0
+    prompt_sent = False  # the prompt's logprobs (a PromptChunk) reached the caller: a resume does not score again
     deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
     while True:
         stream = None
         try:
+            step = params.model_copy(update={"prompt_logprobs": None}) if prompt_sent else params
             stream = router.options(stream=True).generate.remote(
-                prompt_ids, params, max_speculative_tokens, progress if attempt else None)
+                prompt_ids, step, max_speculative_tokens, progress if attempt else None)
             chunks = aiter(stream)
             while True:
                 # the deadline covers the wait for the next chunk only: a timeout scope held across the
@@ -64,6 +66,8 @@ async def resumable_stream(router, prompt_ids: list[int], params: SamplingParams
                         return
                 if isinstance(chunk, TokensChunk):
                     progress.add(chunk)
+                elif isinstance(chunk, PromptChunk):
+                    prompt_sent = True
                 yield chunk
         except BackPressureError:
             stream = None  # never assigned to a replica: nothing to cancel (cancel() would raise it again)

@@ -7,6 +7,7 @@ deployment; this replica tokenizes, applies the chat template, and formats resul
 """
 
 
+import asyncio
 import logging
 import secrets
 import time
@@ -20,17 +21,19 @@ from jinja2.exceptions import TemplateError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.core import grammar
 from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import SamplingParams
 from cluster.model import models
 from cluster.session.speculate import validate_request
 from cluster.wire.codec import logprob_fields_from_pb, logprobs_to_pb, processor_fields_from_pb, text_fields_from_pb
+from deployments import openai_tools
 from deployments.chunks import ErrorChunk, FinishChunk, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.failover import FailoverMetrics, resumable_stream
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, parse_request
 from deployments.openai_body import ApiError, ErrorResponse, error_response, read_body
-from deployments.openai_choices import choice_params, collect, open_choices, sse
+from deployments.openai_choices import Echo, choice_params, collect, open_choices, sse
 from deployments.openai_logprobs import LogprobFormat
 from deployments.openai_responses import (
     ChatCompletionChunk,
@@ -125,16 +128,17 @@ class Ingress:
         return self._sampling(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
                               include_stop_str_in_output=body.include_stop_str_in_output,
-                              skip_special_tokens=body.skip_special_tokens,
+                              skip_special_tokens=body.skip_special_tokens, structured_outputs=body.structured(),
                               **body.processor_fields(self.tokenizer), **body.logprob_fields())
 
-    def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+    def _chat_ids(self, messages: list[dict], tools=None, tool_mode: str | None = None) -> list[int]:
+        """The prompt of a conversation (OpenAI-shaped message dicts), with the tools where they are in play."""
         if not messages:
             raise InvalidRequestError("messages: at least one message is required")
+        messages, listed = openai_tools.template_messages(messages, tools, tool_mode, self.tokenizer.chat_template or "")
         try:
-            return list(self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
-                                                           add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
+            return list(self.tokenizer.apply_chat_template(messages, tools=listed, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
         except TemplateError as e:  # a model's template may refuse an order of roles
             raise InvalidRequestError(f"messages: the model's chat template refused them: {e}") from None
 
@@ -188,9 +192,11 @@ class Ingress:
                 prompt_ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else prompt
                 max_tokens = body.max_tokens
             else:
-                prompt_ids = self._chat_ids([(m.template_role(), m.text()) for m in body.messages])
+                prompt_ids = self._chat_ids([m.template_message() for m in body.messages], body.tools, body.tool_mode())
                 max_tokens = body.max_completion_tokens or body.max_tokens
             params = self._http_params(body, prompt_ids, max_tokens)
+            if params.structured_outputs is not None:  # a schema, regex or grammar xgrammar refuses is a 400 here
+                await asyncio.to_thread(grammar.check, params.structured_outputs, self.vocab_size)
         except ApiError as e:
             return e.response()
         except InvalidRequestError as e:
@@ -202,16 +208,19 @@ class Ingress:
             return self._error(refused)
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         logprobs = LogprobFormat(self.tokenizer, kind) if params.logprobs is not None else None
+        echo = Echo(body.echo_text(self.tokenizer), prompt_ids[0], params.prompt_logprobs is not None) \
+            if kind == "completion" and body.echo else None
+        tools = body.tool_mode() if kind == "chat" else None  # tool calls parsed out of each choice's text
         if body.stream:
-            return StreamingResponse(sse(chunks, body.n, kind, request_id, body.model, body.usage_options(),
-                                         len(prompt_ids), body.return_token_ids, logprobs),
-                                     media_type="text/event-stream")
+            events = sse(chunks, body.n, kind, request_id, body.model, body.usage_options(),
+                         len(prompt_ids), body.return_token_ids, logprobs, echo)
+            return StreamingResponse(openai_tools.stream(events, tools), media_type="text/event-stream")
         try:
             result = await collect(chunks, body.n, kind, request_id, body.model, len(prompt_ids),
-                                   body.return_token_ids, logprobs)
+                                   body.return_token_ids, logprobs, echo, LogprobFormat(self.tokenizer, kind))
         finally:
             await chunks.aclose()
-        return self._error(result) if isinstance(result, ErrorChunk) else result
+        return self._error(result) if isinstance(result, ErrorChunk) else openai_tools.apply(result, tools)
 
     # -- gRPC (Generation service through Serve's gRPC proxy) ----------------------------------------
 
@@ -223,7 +232,8 @@ class Ingress:
                 raise InvalidRequestError(f"the model `{request.model}` does not exist; this server serves "
                                           f"`{self.config.model_id}`")
             if request.WhichOneof("input") == "messages":
-                prompt_ids = self._chat_ids([(self._grpc_role(m.role), m.content) for m in request.messages.messages])
+                prompt_ids = self._chat_ids([{"role": self._grpc_role(m.role), "content": m.content}
+                                             for m in request.messages.messages])
             elif request.prompt:
                 prompt_ids = list(self.tokenizer(request.prompt)["input_ids"])
             else:

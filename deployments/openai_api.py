@@ -3,7 +3,7 @@ reading and the error body: `deployments/openai_body.py`; responses: `deployment
 
 Policy (README, "Serving"): what tandem can honour is served; fields that change nothing it serves are
 accepted and ignored (each name logged once per process), unknown fields too, as vLLM does; what it
-cannot honour (tools, structured outputs, ...) is accepted only at its default value and refused
+cannot honour (beam search, ...) is accepted only at its default value and refused
 otherwise with a 400 that says why. No input reaches a layer that cannot hold it: integers and floats
 are bounded here to what protobuf and the verifier take (floats rounded to float32).
 """
@@ -16,9 +16,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
+from cluster.core.errors import InvalidRequestError
 from cluster.core.processors import tokenize_bad_words
 from cluster.core.sampling import MAX_LOGPROBS, LogprobsMode
 from deployments.openai_body import ApiError, parse_json_object
+from deployments.openai_structured import StructuredFields
+from deployments.openai_tools import MAX_TOOLS, ToolCall, ToolChoice, ToolDef, tool_grammar, tool_mode
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +127,7 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far.")
 
 
-class ResponseFormat(_Lenient):
-    type: Literal["text"] = Field("text", description="Only plain text is served.")
-
-
-class _Common(_Lenient):
+class _Common(_Lenient, StructuredFields):
     """Fields of both endpoints; `null` for any field means its default."""
 
     model: str = Field(description="The served model id (see GET /v1/models).")
@@ -222,8 +221,10 @@ class CompletionRequest(_Common):
     """POST /v1/completions."""
 
     prompt: Annotated[str | list[int], WithJsonSchema(_PROMPT_SCHEMA)] = Field(description="A string, a list of one string, or token ids (each below the vocabulary size).")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"Each generated token's log probability, with a dict of it and the N (0 .. {MAX_LOGPROBS}) most likely tokens at its position (vLLM's answer).")
-    echo: Literal[False] = not_served(False, "the prompt is not echoed")
+    max_tokens: int | None = Field(None, ge=0, le=MAX_UINT32, description="Most tokens to generate (default: the server's `default_max_tokens`, within the context length); 0 only with `echo`: the prompt is scored, nothing generated (lm-evaluation-harness's loglikelihood: `echo`, `logprobs: 1`, `max_tokens: 0`).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"Each generated token's log probability, with a dict of it and the N (0 .. {MAX_LOGPROBS}) most likely tokens at its position (vLLM's answer); with `echo`, the prompt's tokens come first (the first one's logprob is null) and the prompt is scored with N top ones unless `prompt_logprobs` says otherwise.")
+    echo: bool = Field(False, description="The prompt's text goes before each choice's text (with `logprobs`, its tokens' log probabilities before the generated ones': the target's raw log-softmax as it prefills the prompt).")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"Extension (vLLM): each choice's `prompt_logprobs`, one entry per prompt token (the first null), each a dict token id -> {{logprob, rank, decoded_token}} of the prompt token and the N (0 .. {MAX_LOGPROBS}) most likely tokens at its position; always the target's raw log-softmax. Not with `stream` (N > 0), as vLLM.")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Served where it equals n (or is unset): ranking more candidates by log probability is not served.")
 
     @model_validator(mode="after")
@@ -233,10 +234,36 @@ class CompletionRequest(_Common):
                                 f"({self.n}); ranking candidates by log probability is not served",
                            param="best_of", code="unsupported_parameter")
         return self
+
+    @model_validator(mode="after")
+    def _scoring(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens: 0 is served with echo only (the prompt scored, nothing generated); "
+                                "else at least 1", param="max_tokens")
+        if self.stream and self.prompt_logprobs:
+            raise ApiError(400, "prompt_logprobs: not available with stream (as in vLLM); use echo with logprobs",
+                           param="prompt_logprobs")
+        return self
     suffix: str | None = not_served(None, "insertion (suffix); only an empty one is served", max_length=0)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt's logprobs to compute (vLLM's rule): `prompt_logprobs`, else with `echo` the `logprobs`
+        (None: none; streamed, only what echo sends)."""
+        if self.stream and not self.echo:
+            return None
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
+
+    def logprob_fields(self) -> dict:
+        return {**super().logprob_fields(), "prompt_logprobs": self.num_prompt_logprobs()}
+
+    def echo_text(self, tokenizer) -> str | None:
+        """With `echo`: the prompt's text (token ids decoded), else None."""
+        if not self.echo:
+            return None
+        return self.prompt if isinstance(self.prompt, str) else tokenizer.decode(self.prompt)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -260,12 +287,12 @@ class TextPart(_Lenient):
 class ChatMessage(_Lenient):
     """One message of the conversation; the chat template of the target turns them into the prompt."""
 
-    role: Literal["system", "developer", "user", "assistant"] = Field(description="Who speaks; `developer` is read as `system`.")
-    content: str | list[TextPart] = Field(description="A string, or text content parts.")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Who speaks; `developer` is read as `system`; `tool` carries a tool call's result.")
+    content: str | list[TextPart] | None = Field(None, description="A string, or text content parts (may be null in an assistant message with tool_calls).")
     name: str | None = ignored("a participant name (the chat template has no place for it).")
-    tool_calls: list[Any] | None = not_served(None, "tool calling", max_length=0)
-    tool_call_id: None = not_served(None, "tool calling")
-    function_call: None = not_served(None, "function calling")
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="An assistant message's tool calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+    function_call: None = not_served(None, "function calling (deprecated; use tool_calls)")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -279,8 +306,25 @@ class ChatMessage(_Lenient):
             raise ValueError("must be a string or a list of text content parts")
         return content
 
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (it may be null only in an assistant message with tool_calls)")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def template_message(self) -> dict:
+        """The message as a chat template reads it (OpenAI's shape)."""
+        out: dict = {"role": self.template_role(), "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
@@ -293,12 +337,24 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_UINT32, description="Alias of max_tokens (wins when both are set).")
     logprobs: bool = Field(False, description="Return each generated token's log probability (`choices[].logprobs.content`).")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"With `logprobs`: also the N (0 .. {MAX_LOGPROBS}) most likely tokens at each position.")
-    tools: list[Any] | None = not_served(None, "tool calling; only an empty list is served", max_length=0)
-    functions: list[Any] | None = not_served(None, "function calling; only an empty list is served", max_length=0)
-    tool_choice: Literal["none"] | None = not_served(None, "tool calling; only 'none' is served")
-    function_call: Literal["none"] | None = not_served(None, "function calling; only 'none' is served")
-    response_format: ResponseFormat | None = not_served(None, "only {'type': 'text'} is served (no JSON mode or structured outputs)")
-    parallel_tool_calls: bool | None = ignored("there are no tools.")
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call (`deployments/openai_tools.py`).")
+    functions: list[Any] | None = not_served(None, "function calling (deprecated; use tools); only an empty list is served", max_length=0)
+    tool_choice: ToolChoice | None = Field(None, description="`none`, `auto` (the default with tools: the model's Hermes-format calls are parsed), `required` or `{'type': 'function', 'function': {'name': ...}}` (both enforced by a grammar).")
+    function_call: Literal["none"] | None = not_served(None, "function calling (deprecated; use tool_choice); only 'none' is served")
+    parallel_tool_calls: bool | None = Field(None, description="false: a required tool choice makes one call at most.")
+
+    def tool_mode(self) -> str | None:
+        """None (no tools in play), "auto", "required" or "named:<function>" (InvalidRequestError if unknown)."""
+        return tool_mode(self.tools, self.tool_choice)
+
+    def structured(self):
+        """The grammar: a required or named tool choice's, else what the structured-output fields ask."""
+        tools = tool_grammar(self.tools or [], self.tool_mode(), self.parallel_tool_calls is not False)
+        asked = super().structured()
+        if tools is not None and asked is not None:
+            raise InvalidRequestError("tool_choice: a required or named tool choice cannot be combined with "
+                                      "response_format or structured_outputs")
+        return tools or asked
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

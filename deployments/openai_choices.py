@@ -5,6 +5,11 @@ Choice i is a session of its own with seed `seed + i` (vLLM's `n`: each child re
 seed plus its index), so `n` greedy choices are the same text and `n` sampled ones are independent
 samples of the target's distribution. Usage counts the prompt once and the completion tokens of every
 choice (OpenAI's and vLLM's `n`).
+
+`echo` (completions): each choice's text starts with the prompt's, and its `logprobs` with the prompt
+tokens' (a choice's `PromptChunk`: the target's, scored as the verifier prefilled the prompt); streamed,
+the prompt comes in an event of its own before the choice's first tokens. A choice whose session sent a
+`PromptChunk` carries vLLM's `prompt_logprobs` (not streamed, as in vLLM).
 """
 
 from __future__ import annotations
@@ -13,14 +18,26 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Literal
 
 from cluster.core.sampling import SamplingParams
-from deployments.chunks import Chunk, ErrorChunk, FinishChunk, TokensChunk
+from deployments.chunks import Chunk, ErrorChunk, FinishChunk, PromptChunk, TokensChunk
 from deployments.openai_api import StreamOptions
 from deployments.openai_logprobs import LogprobFormat
 
 Kind = Literal["completion", "chat"]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's `echo`: the prompt's `text` goes before each choice's; `first_token`, the prompt's
+    first token id (echoed logprobs start with it, a token without a logprob); `scored`: each choice's
+    session sends the prompt's logprobs (a `PromptChunk`), and a streamed echo waits for them."""
+
+    text: str
+    first_token: int
+    scored: bool
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -147,15 +164,20 @@ def _choice(kind: Kind, index: int, text: str, finish: str | None, token_ids: li
 
 async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
                   prompt_tokens: int, return_token_ids: bool,
-                  logprobs: LogprobFormat | None = None) -> dict | ErrorChunk:
+                  logprobs: LogprobFormat | None = None, echo: Echo | None = None,
+                  prompt_format: LogprobFormat | None = None) -> dict | ErrorChunk:
     """The non-streamed body of n choices, or the first error (the other choices are then stopped).
-    `logprobs`: the request asked for them (each choice's, of all its tokens)."""
+    `logprobs`: the request asked for them (each choice's, of all its tokens; with `echo`, the prompt's
+    first). `prompt_format`: writes a choice's `prompt_logprobs` (where its session sent them)."""
     texts, ids, lps = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
+    prompts: list[list | None] = [None] * n
     finals: list[FinishChunk | None] = [None] * n
     async for i, chunk in chunks:
         match chunk:
             case ErrorChunk():
                 return chunk
+            case PromptChunk():
+                prompts[i] = chunk.logprobs
             case TokensChunk():
                 texts[i] += chunk.text
                 ids[i] += chunk.token_ids
@@ -163,8 +185,13 @@ async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, 
             case FinishChunk():
                 texts[i] += chunk.text
                 finals[i] = chunk
-    choices = [_choice(kind, i, texts[i], finals[i].finish_reason, ids[i] if return_token_ids else None,
-                       logprobs(lps[i]) if logprobs is not None else None) for i in range(n)]
+    head = [[echo.first_token, *(prompts[i] or [])] if echo is not None else [] for i in range(n)]
+    choices = [_choice(kind, i, (echo.text if echo is not None else "") + texts[i], finals[i].finish_reason,
+                       ids[i] if return_token_ids else None,
+                       logprobs(head[i] + lps[i]) if logprobs is not None else None) for i in range(n)]
+    for i, choice in enumerate(choices):
+        if prompts[i] is not None and prompt_format is not None:
+            choice["prompt_logprobs"] = prompt_format.prompt(prompts[i])
     return {"id": request_id, "object": "text_completion" if kind == "completion" else "chat.completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(prompt_tokens, sum(f.completion_tokens for f in finals)),
@@ -173,11 +200,12 @@ async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, 
 
 async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
               options: StreamOptions, prompt_tokens: int, return_token_ids: bool,
-              logprobs: LogprobFormat | None = None) -> AsyncIterator[str]:
+              logprobs: LogprobFormat | None = None, echo: Echo | None = None) -> AsyncIterator[str]:
     """Server-sent events of n choices (each event carries one choice, by index); with
     `options.continuous_usage_stats` every event carries the usage so far, with `include_usage` a last
     event carries the whole request's. `logprobs`: the request asked for them; an event carries those of
-    the tokens whose text it carries (`TokensChunk.settled`), the finish those still held back."""
+    the tokens whose text it carries (`TokensChunk.settled`), the finish those still held back. `echo`:
+    each choice's first event is the prompt (with its logprobs when `echo.scored`, at its `PromptChunk`)."""
     created = int(time.time())
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     completion_tokens = 0
@@ -213,6 +241,10 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, requ
     if kind == "chat":
         for i in range(n):
             yield event([choice(i, "", None, first=True)])
+    if echo is not None and not echo.scored:
+        for i in range(n):
+            sent_text[i] += len(echo.text)
+            yield event([choice(i, echo.text, None)])
     finals = []
     async for i, chunk in chunks:
         match chunk:
@@ -220,6 +252,10 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, requ
                 error = {"message": chunk.message, "type": chunk.type, "param": None, "code": None}
                 yield "data: " + json.dumps({"error": error}) + "\n\n"
                 break
+            case PromptChunk() if echo is not None and echo.scored:
+                lp = logprobs([echo.first_token, *chunk.logprobs]) if logprobs is not None else None
+                sent_text[i] += len(echo.text)
+                yield event([choice(i, echo.text, None, lp=lp)])
             case TokensChunk():
                 completion_tokens += len(chunk.token_ids)
                 received[i] += chunk.logprobs or []

@@ -56,10 +56,16 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(description="The generated tokens, each decoded alone.")
-    token_logprobs: list[float] = Field(description="Each token's log probability.")
-    top_logprobs: list[dict[str, float]] = Field(description="Per token: it and the `logprobs` most likely tokens -> log probability.")
+    tokens: list[str] = Field(description="The generated tokens, each decoded alone (with `echo`, the prompt's first).")
+    token_logprobs: list[float | None] = Field(description="Each token's log probability (null: the echoed prompt's first token, which has none).")
+    top_logprobs: list[dict[str, float] | None] = Field(description="Per token: it and the `logprobs` most likely tokens -> log probability (null: the echoed prompt's first token).")
     text_offset: list[int] = Field(description="Each token's offset in the text, counted over the token strings.")
+
+
+class PromptLogprob(BaseModel):
+    logprob: float = Field(description="The target's raw log probability of the token at this prompt position.")
+    rank: int | None = Field(description="Tokens at least as likely (1: the most likely).")
+    decoded_token: str = Field(description="The token, decoded alone.")
 
 
 LOGPROBS = ("With `logprobs`: the target's log probabilities (`logprobs_mode`) of the generated tokens; "
@@ -68,10 +74,11 @@ LOGPROBS = ("With `logprobs`: the target's log probabilities (`logprobs_mode`) o
 
 class CompletionChoice(BaseModel):
     index: int = Field(description="The choice (0 .. n-1).")
-    text: str = Field(description="The generated text.")
+    text: str = Field(description="The generated text (with `echo`, after the prompt's).")
     finish_reason: FinishReason = Field(description=FINISH)
-    logprobs: CompletionLogprobs | None = Field(None, description=LOGPROBS)
+    logprobs: CompletionLogprobs | None = Field(None, description=LOGPROBS + " With `echo`, the prompt's tokens come first.")
     token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description="Extension (vLLM), with `prompt_logprobs` (or `echo` with `logprobs`): per prompt token (the first null) its token id and the N most likely ones -> their log probability, rank and text.")
 
 
 class CompletionResponse(BaseModel):

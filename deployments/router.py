@@ -22,7 +22,7 @@ from cluster.core.stats import GenerationResult, SpeculationStats
 from cluster.core.stopping import output_text, text_options
 from cluster.model import models
 from cluster.ray.router import Router
-from deployments.chunks import Chunk, ErrorChunk, FinishChunk, SessionProgress, TokensChunk
+from deployments.chunks import Chunk, ErrorChunk, FinishChunk, PromptChunk, SessionProgress, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.metrics import TandemMetrics
 from deployments.pools import ServeDrafterPool, ServeVerifierPool
@@ -134,12 +134,12 @@ class RouterDeployment:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None = None,
                        resume: SessionProgress | None = None) -> AsyncIterator[Chunk]:
-        """Yields `TokensChunk`s, then a `FinishChunk`; a failed request yields an `ErrorChunk` instead of
-        raising. `params`: as the ingress validated them, with their seed (not checked again here).
+        """Yields a `PromptChunk` first where `params.prompt_logprobs` asks for one, `TokensChunk`s, then a
+        `FinishChunk`; a failed request yields an `ErrorChunk` instead of raising. `params`: as the ingress validated them, with their seed (not checked again here).
         `resume`: what the client was sent of this session by a router replica that died (the session
         goes on from there)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[_Committed | GenerationResult | Exception] = asyncio.Queue()
+        queue: asyncio.Queue[PromptChunk | _Committed | GenerationResult | Exception] = asyncio.Queue()
         cancelled = threading.Event()
         t_start = time.perf_counter()
         first_token_s: list[float] = []
@@ -151,13 +151,17 @@ class RouterDeployment:
                 first_token_s.append(time.perf_counter() - t_start)
             loop.call_soon_threadsafe(queue.put_nowait, _Committed(tokens, asdict(stats), logprobs))
 
+        def on_prompt(logprobs: list) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, PromptChunk(logprobs))
+
         def run() -> None:
             self._waiting -= 1
             self._active += 1
             try:
                 result = self.router.generate(prompt_ids, params, on_tokens=on_tokens, cancelled=cancelled,
                                               max_speculative_tokens=max_speculative_tokens,
-                                              output_prefix=resume.token_ids, stats=stats, validated=True)
+                                              output_prefix=resume.token_ids, stats=stats, validated=True,
+                                              on_prompt=on_prompt)
                 loop.call_soon_threadsafe(queue.put_nowait, result)
             except Exception as e:  # reported to the caller as data; logged here
                 log.exception("request failed")
@@ -172,6 +176,8 @@ class RouterDeployment:
         try:
             while True:
                 match await queue.get():
+                    case PromptChunk() as prompt:
+                        yield prompt
                     case _Committed(tokens, snapshot, logprobs):
                         output.extend(tokens)
                         delta = text.update(output)

@@ -31,6 +31,7 @@ import time
 import uuid
 from dataclasses import asdict
 
+from cluster.core.logprobs import TokenLogprob
 from cluster.core.sampling import SamplingParams
 from cluster.core.stopping import eos_ids
 from cluster.model import models
@@ -41,7 +42,7 @@ from cluster.vllm.proposer import PROPOSER_CLASS
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens, inline_matches
 from cluster.vllm.worker import WORKER_EXTENSION
 from deployments.assembly import ingress_deployment, router_options
-from deployments.chunks import ErrorChunk, FinishChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
+from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.metrics import TandemMetrics
 from deployments.router import IncrementalText
@@ -125,10 +126,25 @@ def _resumed(sampling: SamplingParams, done: int, remaining: int) -> SamplingPar
 
 
 def _delta_params(params: SamplingParams):
-    """vLLM's params for a streamed request: each output carries only the new tokens."""
+    """vLLM's params for a streamed request: each output carries only the new tokens. `prompt_logprobs` go
+    through (vLLM serves them with speculative decoding: the prefill's logits, `logprobs_mode` aside); a
+    scoring-only request (max_tokens 0) asks vLLM for one token, as vLLM's own server does, and drops it."""
     from vllm.sampling_params import RequestOutputKind
 
-    return to_vllm_params(params, output_kind=RequestOutputKind.DELTA)
+    if params.max_tokens == 0:
+        params = params.model_copy(update={"max_tokens": 1})
+    return to_vllm_params(params, output_kind=RequestOutputKind.DELTA, prompt_logprobs=params.prompt_logprobs)
+
+
+def _prompt_logprobs(prompt_ids: list[int], entries, top: int) -> list[TokenLogprob]:
+    """vLLM's prompt logprobs (None for the first token, then per token a dict token id -> `Logprob`: the
+    prompt token's own, with its rank, and the `top` most likely ones) as tandem's, the top ones best first."""
+    out = []
+    for token_id, ranked in zip(prompt_ids[1:], entries[1:]):
+        best = sorted((lp.rank, i, lp.logprob) for i, lp in ranked.items() if lp.rank is not None and lp.rank <= top)
+        own = ranked[token_id]
+        out.append(TokenLogprob(int(token_id), own.logprob, tuple((i, lp) for _, i, lp in best), own.rank))
+    return out
 
 
 def _server_base():
@@ -196,14 +212,21 @@ class TandemLLMServer(_server_base()):
             return
         self.open_sessions += 1
         started = None
-        session = str(RequestKey(session, max_speculative_tokens))  # vLLM's request id and the drafter's session
-        if self.drafter is not None and max_speculative_tokens != 0:  # the draft's prefill runs while the target's does
+        scoring = sampling.max_tokens == 0  # the prompt scored only: vLLM's one token is dropped, no drafts
+        # vLLM's request id and the drafter's session
+        session = str(RequestKey(session, 0 if scoring else max_speculative_tokens))
+        # the draft's prefill runs while the target's does
+        if self.drafter is not None and max_speculative_tokens != 0 and not scoring:
             started = self.drafter.start.remote(session, list(prompt_ids), sampling)
         try:
             finish, spec = None, None
             async for out in self.engine._engine_client.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
                                                                   _delta_params(sampling), request_id=session):
+                if sampling.prompt_logprobs is not None and out.prompt_logprobs:  # the first output only (DELTA)
+                    yield PromptChunk(_prompt_logprobs(prompt_ids, out.prompt_logprobs, sampling.prompt_logprobs))
                 completion = out.outputs[0]
+                if scoring:
+                    continue
                 if completion.token_ids:
                     logprobs = None if sampling.logprobs is None else \
                         from_vllm_logprobs(completion.token_ids, completion.logprobs, sampling.logprobs)
@@ -287,7 +310,7 @@ class VLLMRouterDeployment:
         self._active += 1
         stream = None
         try:
-            if remaining > 0:
+            if remaining > 0 or sampling.prompt_logprobs is not None:  # (a resume never scores the prompt again)
                 # a resumed session goes on from prompt + what was sent (sampling is keyed by position)
                 step = _resumed(sampling, len(output), remaining)
                 if step is None:
@@ -303,6 +326,8 @@ class VLLMRouterDeployment:
                             self.metrics.errors.inc(1, {"kind": chunk.type})
                             yield chunk
                             return
+                        case PromptChunk():
+                            yield chunk
                         case StepFinish():
                             finish = chunk.finish_reason
                             stats.drafted += chunk.drafted

@@ -182,7 +182,9 @@ HTTP_CASES = [
     ("logprobs-negative", COMPLETIONS, _completion(logprobs=-1), {}, 400, "greater than or equal to 0"),
     ("logprobs-mode-unknown", COMPLETIONS, _completion(logprobs=1, logprobs_mode="raw_logits"), {}, 400,
      "logprobs_mode"),
-    ("echo", COMPLETIONS, _completion(echo=True), {}, 400, "echo"),
+    ("echo-list", COMPLETIONS, _completion(echo=[1]), {}, 400, "echo"),
+    ("prompt-logprobs-21", COMPLETIONS, _completion(prompt_logprobs=21), {}, 400, "prompt_logprobs"),
+    ("prompt-logprobs-streamed", COMPLETIONS, _completion(prompt_logprobs=1, stream=True), {}, 400, "prompt_logprobs"),
     ("suffix", COMPLETIONS, _completion(suffix="x"), {}, 400, "suffix"),
     ("presence-penalty-3", COMPLETIONS, _completion(presence_penalty=3), {}, 400, "presence_penalty"),
     ("frequency-penalty-minus-2.5", COMPLETIONS, _completion(frequency_penalty=-2.5), {}, 400, "frequency_penalty"),
@@ -213,17 +215,22 @@ HTTP_CASES = [
     ("chat-messages-missing", CHAT, {"model": MODEL}, {}, 400, "messages"),
     ("chat-messages-string", CHAT, _chat(messages="hi"), {}, 400, "messages"),
     ("chat-role-wizard", CHAT, _chat(messages=[{"role": "wizard", "content": "hi"}]), {}, 400, "role"),
-    ("chat-role-tool", CHAT, _chat(messages=[{"role": "tool", "content": "hi", "tool_call_id": "1"}]), {}, 400, "role"),
+    ("chat-tool-message-without-content", CHAT, _chat(messages=[{"role": "tool", "tool_call_id": "1"}]), {}, 400, "content"),
     ("chat-role-missing", CHAT, _chat(messages=[{"content": "hi"}]), {}, 400, "role"),
     ("chat-content-missing", CHAT, _chat(messages=[{"role": "user"}]), {}, 400, "content"),
     ("chat-content-number", CHAT, _message(content=5), {}, 400, "content"),
     ("chat-image-part", CHAT, _message(content=[{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]), {}, 400, "text content parts"),
     ("chat-part-without-text", CHAT, _message(content=[{"type": "text"}]), {}, 400, "text content parts"),
-    ("chat-tool-calls", CHAT, _message(tool_calls=[{"id": "1", "type": "function"}]), {}, 400, "tool calling"),
-    ("chat-tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tool calling"),
-    ("chat-tool-choice", CHAT, _chat(tool_choice="auto"), {}, 400, "tool calling"),
+    ("chat-tool-calls-without-function", CHAT, _message(tool_calls=[{"id": "1", "type": "function"}]), {}, 400, "function"),
+    ("chat-tool-bad-name", CHAT, _chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]), {}, 400, "tools"),
+    ("chat-tool-required-without-tools", CHAT, _chat(tool_choice="required"), {}, 400, "needs tools"),
+    ("chat-tool-named-unknown", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                            tool_choice={"type": "function", "function": {"name": "g"}}), {}, 400, "not among the tools"),
     ("chat-functions", CHAT, _chat(functions=[{"name": "f"}]), {}, 400, "function calling"),
-    ("chat-json-mode", CHAT, _chat(response_format={"type": "json_object"}), {}, 400, "structured outputs"),
+    ("chat-json-schema-missing", CHAT, _chat(response_format={"type": "json_schema"}), {}, 400, "json_schema"),
+    ("chat-structural-tag", CHAT, _chat(response_format={"type": "structural_tag"}), {}, 400, "response_format"),
+    ("completion-two-grammars", COMPLETIONS, _completion(guided_regex="a+", guided_choice=["a"]), {}, 400, "one grammar at a time"),
+    ("completion-bad-schema", COMPLETIONS, _completion(structured_outputs={"json": {"type": "nonsense"}}), {}, 400, "cannot be compiled"),
     ("chat-top-logprobs-without-logprobs", CHAT, _chat(top_logprobs=3), {}, 400, "needs logprobs: true"),
     ("chat-top-logprobs-21", CHAT, _chat(logprobs=True, top_logprobs=21), {}, 400, "less than or equal to 20"),
     ("chat-top-logprobs-negative", CHAT, _chat(logprobs=True, top_logprobs=-1), {}, 400, "greater than or equal to 0"),
@@ -401,8 +408,8 @@ def test_logits_processors_are_served_over_http_and_grpc(server, client):
 def test_refusals_name_the_field_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       tool_choice="auto")
-    assert info.value.param == "tool_choice" and info.value.code == "unsupported_parameter"
+                                       functions=[{"name": "f", "parameters": {}}])
+    assert info.value.param == "functions" and info.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
     assert info.value.param == "top_logprobs"

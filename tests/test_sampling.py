@@ -36,7 +36,8 @@ def test_sample_is_position_keyed_and_never_picks_zero_probability():
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),

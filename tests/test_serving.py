@@ -19,6 +19,8 @@ from cluster.core.errors import ConfigError
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
 from tests.helpers import SERVE_PROMPTS, assert_text_options, serve_app
+from tests.structured_checks import assert_structured_outputs, assert_tool_calls
+from tests.test_prompt_logprobs import assert_echo_and_scoring
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
@@ -122,6 +124,23 @@ def test_stop_strings(client, tokenizer, prompt_ids, references):
 def test_text_options(client, tokenizer, prompt_ids, references):
     ref_text = tokenizer.decode(_ref(references, prompt_ids, 0), skip_special_tokens=True)
     assert_text_options(client, MODEL, tokenizer, PROMPTS[0][0], ref_text, MAX_TOKENS)
+
+def test_echo_and_prompt_logprobs(client, tokenizer, target_fp32):
+    """`echo` (with `max_tokens: 0`, lm-evaluation-harness's loglikelihood) and `prompt_logprobs`: the
+    target's, through the router and the verifier's gRPC port (tests/test_prompt_logprobs.py)."""
+    assert_echo_and_scoring(client, MODEL, tokenizer, target_fp32)
+
+
+def test_structured_outputs(client):
+    """JSON schema (the client's `parse` with a pydantic model), choice, regex, JSON mode: each follows its
+    grammar, greedy output the same with speculation off (tests/structured_checks.py)."""
+    assert_structured_outputs(client, MODEL)
+
+
+def test_tool_calls(client):
+    """Required and named tool choices, streamed deltas, a tool result in the conversation."""
+    assert_tool_calls(client, MODEL)
+
 
 def test_plain_decoding_per_request_equal(client, prompt_ids, references):
     ref = _ref(references, prompt_ids, 1)

@@ -30,7 +30,9 @@ from cluster.vllm.protocol import DrafterSpec, ProposerImport, RequestKey  # noq
 from deployments.config import TandemAppConfig  # noqa: E402
 from protos import pb, rpc  # noqa: E402
 from tests.helpers import SERVE_PROMPTS, assert_text_options, serve_app  # noqa: E402
+from tests.structured_checks import assert_structured_outputs, assert_tool_calls  # noqa: E402
 from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error, _generate  # noqa: E402
+from tests.test_prompt_logprobs import assert_echo_and_scoring  # noqa: E402
 from tests.vllm_doubles import replay_spec  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -288,6 +290,16 @@ def test_logits_processors_pass_through_to_vllm(server, client, target_fp32, tok
     assert len(got) >= 12 and (len(got) == MAX_TOKENS or got[-1] == ref[10])
 
 
+def test_structured_outputs_pass_through_to_vllm(client):
+    """vLLM masks the target at every draft position and cuts tandem's drafts at their first refused
+    token: greedy output the same with speculation off, every output follows its grammar."""
+    assert_structured_outputs(client, MODEL)
+
+
+def test_tool_calls_on_vllm(client):
+    assert_tool_calls(client, MODEL)
+
+
 def test_processors_vllm_refuses_under_speculation_are_refused(server, client):
     """vLLM refuses min_p and logit_bias with speculative decoding: a clear 400 / INVALID_ARGUMENT naming
     the torch backend, never a silent drop."""
@@ -413,3 +425,9 @@ def test_logprobs_are_vllms_raw_ones(server, client, tokenizer, target_fp32, pro
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=1,
                                   extra_body={"logprobs_mode": "processed_logprobs"})
     assert "raw_logprobs" in str(info.value)
+
+
+def test_echo_and_prompt_logprobs_are_vllms(client, tokenizer, target_fp32):
+    """`echo`, `max_tokens: 0` and `prompt_logprobs` as on the torch engine: vLLM's prompt logprobs (it serves
+    them with speculative decoding), fp32 within 2e-3 of transformers' (another kernel)."""
+    assert_echo_and_scoring(client, MODEL, tokenizer, target_fp32, tol=2e-3)

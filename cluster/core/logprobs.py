@@ -8,6 +8,10 @@ the processors (`cluster.core.processors`) applied, then temperature, min-p, top
 no temperature. Always the target's distribution, never the draft's: a recovered token (drawn from the
 residual) reports the target's p, as vLLM's rejection sampler does. Tokens a processor masks have
 log probability -inf.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`, `prompt_logprobs`): prompt token i > 0 under the target's
+row at position i - 1, always the raw log-softmax (vLLM's prompt tokens skip the processors in every mode),
+with the token's rank in the vocabulary (vLLM's `rank`: how many tokens are at least as likely).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log probability)
+    rank: int | None = None  # prompt logprobs: tokens at least as likely as this one (1 = the most likely)
 
 
 def log_distribution(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -49,13 +54,38 @@ def token_logprobs(rows: torch.Tensor, token_ids: Sequence[int], params: Samplin
         raise ValueError(f"{rows.shape[0]} rows for {len(token_ids)} tokens")
     if not token_ids:
         return []
-    logp = log_distribution(rows, params)  # [m, vocab_size]
+    return _gather(log_distribution(rows, params), token_ids, params.logprobs or 0)
+
+
+def prompt_logprobs(rows: torch.Tensor, prompt_ids: Sequence[int], num_top: int,
+                    chunk: int = 256) -> list[TokenLogprob]:
+    """The log probability of prompt_ids[i + 1] under row i (the raw log-softmax), with its rank and the row's
+    `num_top` most likely tokens; log-softmaxed `chunk` rows at a time (a long prompt's rows are large).
+
+    rows        # [n - 1, vocab_size]: the target's raw logits at prompt positions 0 .. n - 2
+    prompt_ids  # [n]; the first token has no logprob (none is returned for it)
+    """
+    targets = list(prompt_ids)[1:]
+    if rows.shape[0] != len(targets):
+        raise ValueError(f"{rows.shape[0]} rows for a prompt of {len(prompt_ids)} tokens")
+    out: list[TokenLogprob] = []
+    for start in range(0, len(targets), chunk):
+        logp = torch.log_softmax(rows[start : start + chunk].float(), dim=-1)  # [c, vocab_size]
+        out += _gather(logp, targets[start : start + chunk], num_top, ranks=True)
+    return out
+
+
+def _gather(logp: torch.Tensor, token_ids: Sequence[int], num_top: int, ranks: bool = False) -> list[TokenLogprob]:
+    """logp  # [m, vocab_size] log probabilities -> token_ids[j]'s under row j, with the row's `num_top` best
+    (and, with `ranks`, the token's rank: vLLM's count of tokens at least as likely)."""
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=logp.device)  # [m]
-    chosen = logp.gather(-1, ids[:, None])[:, 0].tolist()  # [m]
-    k = min(params.logprobs or 0, logp.shape[-1])
+    chosen_t = logp.gather(-1, ids[:, None])  # [m, 1]
+    chosen = chosen_t[:, 0].tolist()  # [m]
+    rank = (logp >= chosen_t).sum(-1).tolist() if ranks else [None] * len(chosen)  # [m]
+    k = min(num_top, logp.shape[-1])
     if k:
         top = torch.topk(logp, k, dim=-1)  # values, indices  # [m, k]
         tops = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
     else:
-        tops = [()] * len(token_ids)
-    return [TokenLogprob(int(t), lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
+        tops = [()] * len(chosen)
+    return [TokenLogprob(int(t), lp, top, r) for t, lp, top, r in zip(token_ids, chosen, tops, rank)]

@@ -6,7 +6,8 @@ rest of it), `min_tokens` (the stop ids, EOS and `stop_token_ids`, masked until 
 tokens), `logit_bias` (added), then the penalties: `repetition_penalty` over prompt + output (a seen
 token's logit divided by it when positive, multiplied when negative), `frequency_penalty` (minus the
 penalty times the token's count in the output) and `presence_penalty` (minus the penalty once a token is
-in the output). `min_p` acts after temperature and lives in `cluster.core.sampling.probabilities`.
+in the output). tandem adds `structured_outputs` (a grammar's token mask, `cluster.core.grammar`) after
+the masks and the bias, before the penalties (a mask's -inf stays -inf either way). `min_p` acts after temperature and lives in `cluster.core.sampling.probabilities`.
 
 The target (p) and the draft (q) are processed by the same function with the same history: a round's
 row i (the distribution at its draft position i) continues the committed output plus the round's drafts
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from cluster.core.errors import InvalidRequestError
+from cluster.core.grammar import mask_rows
 from cluster.core.sampling import SamplingParams
 
 
@@ -96,6 +98,8 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seque
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
         out[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+    if params.structured_outputs is not None:  # the grammar's mask given each row's history
+        mask_rows(out, params.structured_outputs, output_ids, suffixes)
     if params.penalizes:
         counts = torch.zeros(r, vocab, dtype=torch.float32, device=device)  # [r, vocab_size]: output counts
         if output_ids:

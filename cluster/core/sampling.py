@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.core.errors import InvalidRequestError, validation_message
+from cluster.core.grammar import StructuredOutputs
 
 MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids
 MAX_LOGPROBS = 20  # most likely alternatives returned per token (OpenAI's and vLLM's bound)
@@ -26,7 +27,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_tokens: int = Field(64, ge=1, description="Most tokens to generate (the stop reason is then 'length').")
+    max_tokens: int = Field(64, ge=0, description="Most tokens to generate (the stop reason is then 'length'); 0 generates none: the prompt is only prefilled and scored (`prompt_logprobs`), no decoding loop runs.")
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="Softmax temperature; 0 means greedy (argmax).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of tokens with this much probability.")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 keeps all.")
@@ -43,8 +44,10 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_TOKEN_LIST, description="Token ids that end generation (kept in the output, as EOS).")
     bad_words: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=128, description="Token sequences never generated: a sequence's last token is masked where the output ends with the rest of it.")
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=1 << 20, description="Only these token ids may be generated.")
+    structured_outputs: StructuredOutputs | None = Field(None, description="A grammar the output follows (JSON schema, JSON object, regex, choice, EBNF): a token mask at every position (`cluster.core.grammar`).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output token's log probability and its this many most likely alternatives; None: none (nothing computed).")
     logprobs_mode: LogprobsMode = Field("raw_logprobs", description="Which distribution `logprobs` come from (vLLM's names): `raw_logprobs`, the target's raw logits; `processed_logprobs`, the one the token was drawn from (processors, temperature, min_p, top-k, top-p).")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each prompt token's log probability (all but the first) and its this many most likely alternatives, computed by the verifier as it prefills the prompt; always the log-softmax of the target's raw logits (vLLM's prompt logprobs skip the processors in any mode); None: none.")
     # how the output's text is written (the tokens are the same either way; vLLM's names)
     include_stop_str_in_output: bool = Field(False, description="The text keeps the stop string that ended it (and a final stop token id's or EOS's text), as vLLM does.")
     skip_special_tokens: bool = Field(True, description="Special tokens' text is left out of the output text.")
@@ -84,7 +87,7 @@ class SamplingParams(BaseModel):
     def processes_logits(self) -> bool:
         """Whether any processor of `cluster.core.processors` acts (min_p acts in `probabilities`)."""
         return bool(self.penalizes or self.logit_bias or self.min_tokens or self.bad_words
-                    or self.allowed_token_ids is not None)
+                    or self.allowed_token_ids is not None or self.structured_outputs is not None)
 
     @property
     def vllm_refused_fields(self) -> list[str]:

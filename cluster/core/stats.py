@@ -89,3 +89,5 @@ class GenerationResult:
     stats: SpeculationStats
     logprobs: list[TokenLogprob] | None = None  # asked for (`SamplingParams.logprobs`): one per token this
     # run committed (a resumed session's output prefix has none here)
+    prompt_logprobs: list[TokenLogprob] | None = None  # asked for (`SamplingParams.prompt_logprobs`): one per
+    # prompt token after the first, the target's raw (`cluster.core.logprobs.prompt_logprobs`)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.core import grammar
 from cluster.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -121,13 +122,16 @@ def load_causal_lm(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=parse_dtype(dtype))
+    grammar.register_tokenizer(loader=lambda: load_tokenizer(path))  # loaded only if a grammar is used
     return model.to(device or default_device()).eval()
 
 
 def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(Path(path))
+    tokenizer = AutoTokenizer.from_pretrained(Path(path))
+    grammar.register_tokenizer(tokenizer)  # structured outputs' vocabulary in this process
+    return tokenizer
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str = "draft") -> None:

@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cluster.model.models import parse_dtype
+from cluster.core import grammar
+from cluster.model.models import load_tokenizer, parse_dtype
 from cluster.model.runner import TorchModelRunner
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ def load_tp_model(path, dtype: str, rank: int, world_size: int, master_port: int
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=parse_dtype(dtype), distributed_config=DistributedConfig(tp_plan="auto", tp_size=world_size))
+    grammar.register_tokenizer(loader=lambda: load_tokenizer(path))  # loaded only if a grammar is used
     return model.eval()
 
 

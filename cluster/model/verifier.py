@@ -18,11 +18,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from cluster.core.errors import InvalidRequestError
-from cluster.core.logprobs import TokenLogprob, token_logprobs
+from cluster.core.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from cluster.core.processors import process_sequence
 from cluster.core.rejection import rejection_sample
 from cluster.core.sampling import SamplingParams
@@ -69,6 +70,16 @@ class RoundResult:
 Callback = Callable[[RoundResult | Exception], None]
 
 
+class Opened(NamedTuple):
+    """What `VerifierEngine.open` prefilled: the committed tokens' count, the target's features of all but
+    the last (`features` asked)  # [n - 1, H] bf16, and the prompt logprobs (`params.prompt_logprobs` set:
+    one per token after the first, `cluster.core.logprobs.prompt_logprobs`)."""
+
+    length: int
+    features: torch.Tensor | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+
 @dataclass
 class _Session:
     params: SamplingParams
@@ -96,10 +107,11 @@ class VerifierEngine:
     # -- sessions (called from gRPC threads) -----------------------------------------------------
 
     def open(self, session: str, token_ids: Sequence[int], params: SamplingParams, features: bool = False
-             ) -> tuple[int, torch.Tensor | None]:
+             ) -> Opened:
         """Prefill the committed tokens; returns their count and, with `features`, the target's last hidden
         state of all but the last  # [n - 1, H] bf16 (every round's result then carries those of the
-        positions it commits)."""
+        positions it commits). With `params.prompt_logprobs`, the same prefill keeps the logits of every
+        position (the KV it writes is the same) for the logprobs of tokens 1 .. n - 1."""
         if not token_ids:
             raise InvalidRequestError("open: no tokens")
         if any(not 0 <= t < self.runner.vocab_size for t in token_ids):
@@ -114,7 +126,7 @@ class VerifierEngine:
         if features and not getattr(self.runner, "supports_features", False):
             raise InvalidRequestError(f"open: this target runner ({type(self.runner).__name__}) cannot send features "
                                       "for a feature-fed draft")
-        prompt_features = None
+        prompt_features = rows = None
         with self._lock:
             if session in self._sessions:
                 raise InvalidRequestError(f"session {session!r} is already open")
@@ -122,8 +134,9 @@ class VerifierEngine:
             if features:
                 self.runner.capture.add(session)
             try:
-                if len(token_ids) > 1:
-                    self.runner.extend(session, list(token_ids[:-1]), num_logits=0)
+                if len(token_ids) > 1:  # with prompt_logprobs, row i: the raw logits after token i  # [n - 1, vocab]
+                    rows = self.runner.extend(session, list(token_ids[:-1]),
+                                              num_logits=None if params.prompt_logprobs is not None else 0)
                 if features:
                     prompt_features = self.runner.hidden.pop(session, None)
                     if prompt_features is None:
@@ -134,7 +147,10 @@ class VerifierEngine:
             self._sessions[session] = _Session(params.with_seed(), len(token_ids), [int(token_ids[-1])],
                                                features=features,
                                                tokens=[int(t) for t in token_ids] if params.processes_logits else None)
-        return len(token_ids), prompt_features
+        if params.prompt_logprobs is None:
+            return Opened(len(token_ids), prompt_features)
+        scored = [] if rows is None else prompt_logprobs(rows, token_ids, params.prompt_logprobs)  # outside the lock
+        return Opened(len(token_ids), prompt_features, scored)
 
     def release(self, session: str) -> bool:
         with self._lock:

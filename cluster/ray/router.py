@@ -24,7 +24,7 @@ from cluster.core.stats import GenerationResult, SpeculationStats
 from cluster.core.stopping import StopChecker, eos_ids
 from cluster.session.loop import CostEstimates, LoopConfig, LoopMetrics, RoundTiming, SessionLoop, SessionState
 from cluster.session.speculate import validate_request
-from cluster.wire.codec import features_from_pb, params_to_pb
+from cluster.wire.codec import features_from_pb, logprobs_from_pb, params_to_pb
 from cluster.wire.remote_ports import GrpcVerifierPort, RayDrafterPort
 from cluster.wire.verifier_pool import StaticDrafter, StaticVerifierPool, VerifierReplicaHandle
 from drafts.factory import needs_features, own_match
@@ -109,9 +109,11 @@ class Router:
     # -- placement -----------------------------------------------------------------------------
 
     def _open(self, session: str, committed: list[int], params: SamplingParams, attempts: int = 1,
-              deadline_s: float = 300.0, features: bool = False) -> GrpcVerifierPort:
+              deadline_s: float = 300.0, features: bool = False, score: bool = False) -> GrpcVerifierPort:
         """Open the session on a replica the pool picks; with `attempts` > 1, replicas that fail to
-        answer are marked failed and the next one is tried (waiting for restarts until the deadline)."""
+        answer are marked failed and the next one is tried (waiting for restarts until the deadline).
+        `score`: the verifier scores the committed tokens as it prefills them (`params.prompt_logprobs`
+        top ones; the port's `prompt_logprobs`)."""
         deadline = time.time() + deadline_s
         failures = 0
         while True:
@@ -124,10 +126,13 @@ class Router:
                 continue
             replica = lease.replica
             try:
+                scored = params.prompt_logprobs if score else None
                 reply = replica.stub.Open(pb.OpenRequest(session=session, token_ids=committed,
-                                                         params=params_to_pb(params), features=features), timeout=120)
+                                                         params=params_to_pb(params), features=features,
+                                                         prompt_logprobs=scored), timeout=120)
                 open_features = features_from_pb(reply.features)[1] if reply.HasField("features") else None
-                return GrpcVerifierPort(lease, session, open_features)
+                prompt_logprobs = logprobs_from_pb(reply.prompt_logprobs) if scored is not None else None
+                return GrpcVerifierPort(lease, session, open_features, prompt_logprobs)
             except grpc.RpcError as e:
                 lease.release()
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -149,11 +154,15 @@ class Router:
                  timeline: list[RoundTiming] | None = None, on_tokens=None,
                  cancelled: threading.Event | None = None, max_speculative_tokens: int | None = None,
                  output_prefix: Sequence[int] = (), stats: SpeculationStats | None = None,
-                 validated: bool = False) -> GenerationResult:
+                 validated: bool = False, on_prompt=None) -> GenerationResult:
         """Run one request to its end. `on_tokens(new_output_tokens, their logprobs or None)` is called as
         tokens are committed; setting `cancelled` ends the request early (finish reason "cancelled") and
         frees its state; `max_speculative_tokens` caps the drafts of every round of this request, long match
         rounds included (0 = plain decoding).
+
+        `params.prompt_logprobs`: the verifier scores the prompt as it prefills it (not again on a replay,
+        nor for a resumed session); `on_prompt(prompt_logprobs)` is called with them before any token.
+        `params.max_tokens` 0: the prompt is prefilled (and scored) only, no round runs (finish "length").
 
         Resuming a session another router carried (failover): `output_prefix` is the output it had
         already committed (the session goes on from prompt + prefix, and stop strings, EOS and
@@ -181,6 +190,9 @@ class Router:
         t_start = time.perf_counter()
         max_gamma = self.num_speculative_tokens if max_speculative_tokens is None else \
             min(self.num_speculative_tokens, max_speculative_tokens)
+        if params.max_tokens == 0:  # scoring only: no drafter, no round
+            max_gamma = 0
+        score = params.prompt_logprobs is not None and not output_prefix
         output: list[int] = list(output_prefix)
         state = SessionState(session, params, prompt_ids + output, output, stats, self.policy.session(), max_gamma,
                              max_drafts=max_speculative_tokens)
@@ -194,18 +206,21 @@ class Router:
         if drafter is not None and not self._saturated():  # the draft prefill overlaps the target's
             drafter_started = self._setup.submit(drafter.start, list(state.committed))
         # else the drafter joins when the policy first asks for drafts (never, while verifiers are saturated)
-        stream = None
+        stream = prompt_logprobs = None
         try:
             stream = self._open(session, state.committed, params, attempts=1 + self.max_replays,
-                                features=loop.needs_features)
+                                features=loop.needs_features, score=score)
             loop.add_features(0, stream.open_features)
+            prompt_logprobs = stream.prompt_logprobs
+            if prompt_logprobs is not None and on_prompt is not None:
+                on_prompt(prompt_logprobs)
             if drafter_started is not None:
                 drafter_started.result()
             stats.prefill_s = time.perf_counter() - t_start
             replays = 0
             while True:
                 try:
-                    finish = loop.run(stream)
+                    finish = loop.run(stream) if params.max_tokens > 0 else "length"
                     break
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -243,4 +258,4 @@ class Router:
         stats.num_generated_tokens = len(output)
         stats.total_s = time.perf_counter() - t_start
         return GenerationResult(output, StopChecker(self.tokenizer, self.eos_token_ids, params).text(output), finish, stats,
-                                state.logprobs)
+                                state.logprobs, prompt_logprobs)

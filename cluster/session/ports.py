@@ -17,7 +17,7 @@ from typing import Protocol
 
 from cluster.core.messages import DraftReply, SyncOp, apply_sync
 from cluster.core.sampling import SamplingParams
-from cluster.model.verifier import Round, RoundResult, VerifierEngine
+from cluster.model.verifier import Opened, Round, RoundResult, VerifierEngine
 from drafts.proposer import Proposer, shapes_sequential_rounds
 
 
@@ -59,9 +59,10 @@ class LocalVerifierPort:
         self.engine, self.session, self.engine_thread = engine, session, engine_thread
         self._results: queue.SimpleQueue = queue.SimpleQueue()
 
-    def open(self, token_ids: Sequence[int], params: SamplingParams, features: bool = False):
-        """Prefill; with `features`, returns the target's features of all but the last token."""
-        return self.engine.open(self.session, token_ids, params, features=features)[1]
+    def open(self, token_ids: Sequence[int], params: SamplingParams, features: bool = False) -> Opened:
+        """Prefill; with `features`, the target's features of all but the last token come back, with
+        `params.prompt_logprobs` the prompt's logprobs."""
+        return self.engine.open(self.session, token_ids, params, features=features)
 
     def send(self, round: int, epoch: int, bonus: bool, draft: DraftReply | None) -> None:
         token_ids = draft.token_ids if draft is not None else []

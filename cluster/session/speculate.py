@@ -109,19 +109,20 @@ class SpeculativeDecoder:
         drafter = None
         max_gamma = self.num_speculative_tokens if max_speculative_tokens is None else \
             min(self.num_speculative_tokens, max_speculative_tokens)
-        if self.proposer is not None and max_gamma > 0:
+        if self.proposer is not None and max_gamma > 0 and params.max_tokens > 0:
             drafter = LocalDrafterPort(self.proposer, session, params, self._executor)
         state = SessionState(session, params, list(prompt_ids), [], stats, self.policy.session(), max_gamma,
                              max_drafts=max_speculative_tokens)
         loop = SessionLoop(state, drafter, StopChecker(self.tokenizer, self.eos_token_ids, params), self.loop_config,
                            self.estimates, self.metrics, own_match=self.own_match)
         # the last prompt token is fed with the first round's drafts
-        loop.add_features(0, verifier.open(prompt_ids, params, features=loop.needs_features))
+        opened = verifier.open(prompt_ids, params, features=loop.needs_features)
+        loop.add_features(0, opened.features)
         try:
             if drafter is not None:
                 drafter.start(prompt_ids)
             stats.prefill_s = time.perf_counter() - t_start
-            finish = loop.run(verifier)
+            finish = loop.run(verifier) if params.max_tokens > 0 else "length"  # 0: the prompt scored only
         finally:
             verifier.release()
             if drafter is not None:
@@ -129,4 +130,4 @@ class SpeculativeDecoder:
         stats.num_generated_tokens = len(state.output)
         stats.total_s = time.perf_counter() - t_start
         return GenerationResult(state.output, StopChecker(self.tokenizer, self.eos_token_ids, params).text(state.output), finish, stats,
-                                state.logprobs)
+                                state.logprobs, opened.prompt_logprobs)

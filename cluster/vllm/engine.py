@@ -20,6 +20,7 @@ guard. Environment defaults set here: `VLLM_CPU_KVCACHE_SPACE=1` (GiB), `VLLM_HO
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -42,6 +43,7 @@ _env_defaults()  # before anything imports vllm
 
 from cluster.core.config import EngineConfig  # noqa: E402
 from cluster.core.errors import ConfigError, InvalidRequestError  # noqa: E402
+from cluster.core.grammar import StructuredOutputs  # noqa: E402
 from cluster.core.logprobs import TokenLogprob  # noqa: E402
 from cluster.core.sampling import SamplingParams  # noqa: E402
 from cluster.model import models  # noqa: E402
@@ -83,7 +85,8 @@ def to_vllm_params(params: SamplingParams, **extra):
                   ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
                   frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
                   min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids) or None,
-                  allowed_token_ids=params.allowed_token_ids, logprobs=params.logprobs, **extra)
+                  allowed_token_ids=params.allowed_token_ids, logprobs=params.logprobs,
+                  structured_outputs=to_vllm_structured(params.structured_outputs), **extra)
     if params.bad_words:
         # already token sequences (tokenized as vLLM's `update_from_tokenizer` would, and the gRPC API's are
         # ids): set where that method puts them, which it leaves alone while `bad_words` (the strings) is
@@ -91,6 +94,19 @@ def to_vllm_params(params: SamplingParams, **extra):
         # at every draft position given the output plus the earlier drafts (`apply_bad_words_with_drafts`)
         out._bad_words_token_ids = [list(word) for word in params.bad_words]
     return out
+
+
+def to_vllm_structured(so: StructuredOutputs | None):
+    """vLLM's StructuredOutputsParams for a grammar (vLLM masks the target at every draft position and cuts
+    drafts at their first refused token: `v1/structured_output`), or None."""
+    if so is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    value = {"json": so.spec, "json_object": True, "regex": so.spec, "choice": None, "grammar": so.spec}[so.kind]
+    if so.kind == "choice":
+        value = json.loads(so.spec)
+    return StructuredOutputsParams(**{so.kind: value}, disable_any_whitespace=not so.any_whitespace)
 
 
 def from_vllm_logprobs(token_ids: Sequence[int], logprobs, top: int) -> list[TokenLogprob]:

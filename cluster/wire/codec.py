@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from pydantic import ValidationError
 
-from cluster.core.errors import InvalidRequestError
+from cluster.core.errors import InvalidRequestError, validation_message
+from cluster.core.grammar import StructuredOutputs
 from cluster.core.logprobs import TokenLogprob
 from cluster.core.messages import SparseRow
 from cluster.core.sampling import SamplingParams
@@ -38,6 +40,10 @@ def params_to_pb(params: SamplingParams):
     msg.include_stop_str_in_output = params.include_stop_str_in_output
     if not params.skip_special_tokens:
         msg.skip_special_tokens = False
+    so = params.structured_outputs
+    if so is not None:
+        msg.structured_outputs.CopyFrom(pb.StructuredOutputs(kind=so.kind, spec=so.spec,
+                                                             disable_any_whitespace=not so.any_whitespace))
     return msg
 
 
@@ -62,7 +68,19 @@ def processor_fields_from_pb(msg) -> dict:
                 repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
                 min_p=msg.min_p, logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
                 stop_token_ids=list(msg.stop_token_ids), bad_words=[list(w.token_ids) for w in msg.bad_words],
-                allowed_token_ids=list(msg.allowed_token_ids) or None)
+                allowed_token_ids=list(msg.allowed_token_ids) or None,
+                structured_outputs=structured_from_pb(msg))
+
+
+def structured_from_pb(msg) -> StructuredOutputs | None:
+    """A pb.SamplingParams' grammar (InvalidRequestError for an unknown kind)."""
+    if not msg.HasField("structured_outputs"):
+        return None
+    so = msg.structured_outputs
+    try:
+        return StructuredOutputs(kind=so.kind, spec=so.spec, any_whitespace=not so.disable_any_whitespace)
+    except ValidationError as e:
+        raise InvalidRequestError(f"structured_outputs: {validation_message(e)}") from None
 
 
 def params_from_pb(msg) -> SamplingParams:
@@ -146,11 +164,12 @@ def result_from_pb(msg) -> tuple[RoundResult, int]:
 
 def logprobs_to_pb(logprobs: Sequence[TokenLogprob]) -> list:
     return [pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob, top_ids=[i for i, _ in t.top],
-                            top_logprobs=[lp for _, lp in t.top]) for t in logprobs]
+                            top_logprobs=[lp for _, lp in t.top], rank=t.rank) for t in logprobs]
 
 
 def logprobs_from_pb(msgs) -> list[TokenLogprob]:
-    return [TokenLogprob(m.token_id, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for m in msgs]
+    return [TokenLogprob(m.token_id, m.logprob, tuple(zip(m.top_ids, m.top_logprobs)),
+                         m.rank if m.HasField("rank") else None) for m in msgs]
 
 
 # -- the target's features (for a feature-fed draft) --------------------------------------------

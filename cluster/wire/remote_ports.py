@@ -33,9 +33,10 @@ DRAFTER_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableE
 class GrpcVerifierPort:
     """One session's open bidirectional Verify stream on a leased replica."""
 
-    def __init__(self, lease: VerifierLease, session: str, open_features=None):
+    def __init__(self, lease: VerifierLease, session: str, open_features=None, prompt_logprobs=None):
         self.lease, self.replica, self.session = lease, lease.replica, session
         self.open_features = open_features  # the target's features of the prefilled tokens (if asked)
+        self.prompt_logprobs = prompt_logprobs  # list[TokenLogprob] of prompt tokens 1 .. (if asked)
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = self.replica.stub.Verify(iter(self._requests.get, None))
 

@@ -17,8 +17,9 @@ import grpc
 
 from cluster.core.config import NetworkConfig
 from cluster.core.errors import InvalidRequestError
+from cluster.core.sampling import MAX_LOGPROBS
 from cluster.model.verifier import VerifierEngine
-from cluster.wire.codec import features_to_pb, params_from_pb, result_to_pb, round_from_pb
+from cluster.wire.codec import features_to_pb, logprobs_to_pb, params_from_pb, result_to_pb, round_from_pb
 from cluster.wire.transport import LOOPBACK, SecretCheck, add_port, cluster_secret
 from protos import pb, rpc
 
@@ -39,13 +40,18 @@ class VerifierServicer(rpc.VerifierServicer):
         if self._broken():
             context.abort(grpc.StatusCode.UNAVAILABLE, self._broken())
         try:
-            length, features = self.engine.open(request.session, list(request.token_ids),
-                                                params_from_pb(request.params), features=request.features)
+            params = params_from_pb(request.params)
+            if request.HasField("prompt_logprobs"):
+                if request.prompt_logprobs > MAX_LOGPROBS:
+                    raise InvalidRequestError(f"prompt_logprobs: at most {MAX_LOGPROBS}")
+                params = params.model_copy(update={"prompt_logprobs": request.prompt_logprobs})
+            opened = self.engine.open(request.session, list(request.token_ids), params, features=request.features)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        reply = pb.OpenReply(session=request.session, length=length)
-        if features is not None:
-            reply.features.CopyFrom(features_to_pb(0, features))
+        reply = pb.OpenReply(session=request.session, length=opened.length,
+                             prompt_logprobs=logprobs_to_pb(opened.prompt_logprobs or ()))
+        if opened.features is not None:
+            reply.features.CopyFrom(features_to_pb(0, opened.features))
         return reply
 
     def Release(self, request, context):

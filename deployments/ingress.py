@@ -220,7 +220,9 @@ class Ingress:
                                    body.return_token_ids, logprobs, echo, LogprobFormat(self.tokenizer, kind))
         finally:
             await chunks.aclose()
-        return self._error(result) if isinstance(result, ErrorChunk) else openai_tools.apply(result, tools)
+        if isinstance(result, ErrorChunk):
+            return self._error(result)
+        return openai_tools.apply(result, tools) if kind == "chat" else result
 
     # -- gRPC (Generation service through Serve's gRPC proxy) ----------------------------------------
 

@@ -337,6 +337,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_UINT32, description="Alias of max_tokens (wins when both are set).")
     logprobs: bool = Field(False, description="Return each generated token's log probability (`choices[].logprobs.content`).")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"With `logprobs`: also the N (0 .. {MAX_LOGPROBS}) most likely tokens at each position.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"Extension (vLLM): the response's top-level `prompt_logprobs`, one entry per prompt token of the templated conversation (the first null), each a dict token id -> {{logprob, rank, decoded_token}} of the prompt token and the N (0 .. {MAX_LOGPROBS}) most likely; the target's raw log-softmax. Not with `stream` (N > 0), as vLLM.")
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call (`deployments/openai_tools.py`).")
     functions: list[Any] | None = not_served(None, "function calling (deprecated; use tools); only an empty list is served", max_length=0)
     tool_choice: ToolChoice | None = Field(None, description="`none`, `auto` (the default with tools: the model's Hermes-format calls are parsed), `required` or `{'type': 'function', 'function': {'name': ...}}` (both enforced by a grammar).")
@@ -362,8 +363,17 @@ class ChatCompletionRequest(_Common):
             raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
         return self
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> "ChatCompletionRequest":
+        if self.stream and self.prompt_logprobs:
+            raise ApiError(400, "prompt_logprobs: not available with stream (as in vLLM)", param="prompt_logprobs")
+        return self
+
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def logprob_fields(self) -> dict:
+        return {**super().logprob_fields(), "prompt_logprobs": None if self.stream else self.prompt_logprobs}
 
 
 NOT_SERVED_REASONS = {name: info.description.removeprefix(NOT_SERVED)

@@ -17,8 +17,8 @@ from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.openai_body import ErrorResponse
 from protos import MAX_REQUEST_BYTES
 
-FinishReason = Literal["stop", "length"]
-FINISH = "`stop`: end of sequence or a stop string; `length`: max_tokens."
+FinishReason = Literal["stop", "length", "tool_calls"]
+FINISH = "`stop`: end of sequence or a stop string; `length`: max_tokens; `tool_calls` (chat): the model called tools."
 TOKEN_IDS = "Extension (with `return_token_ids`): the generated token ids."
 
 
@@ -91,9 +91,25 @@ class CompletionResponse(BaseModel):
     speculation: Speculation
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="Its arguments as JSON text.")
+
+
+class ToolCallOut(BaseModel):
+    id: str = Field(description="The call's id (`call_...`), for the tool message that answers it.")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int = Field(description="The call's place among the choice's calls (each comes whole, in one delta).")
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str = Field(description="The generated text.")
+    content: str | None = Field(description="The generated text; null when the whole output is tool calls.")
+    tool_calls: list[ToolCallOut] | None = Field(None, description="With `tools`: the calls parsed out of the output.")
 
 
 class ChatChoice(BaseModel):
@@ -112,6 +128,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     speculation: Speculation
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description="Extension (vLLM), with `prompt_logprobs`: per token of the templated prompt (the first null) its token id and the N most likely ones -> their log probability, rank and text.")
 
 
 class ModelCard(BaseModel):
@@ -155,6 +172,7 @@ class CompletionChunk(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(None, description="On the first chunk.")
     content: str | None = Field(None, description="New text since the previous chunk.")
+    tool_calls: list[ToolCallDelta] | None = Field(None, description="With `tools`: the choice's calls, before its finish.")
 
 
 class ChatChunkChoice(BaseModel):

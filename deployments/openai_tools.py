@@ -187,7 +187,11 @@ def parse(text: str, mode: str) -> tuple[str | None, list[dict]]:
 
 
 def apply(body: dict, mode: str | None) -> dict:
-    """A non-streamed chat body with each choice's tool calls parsed out of its text."""
+    """A non-streamed chat body with each choice's tool calls parsed out of its text, and the prompt's
+    logprobs (asked with `prompt_logprobs`) at the top level, where vLLM's chat puts them."""
+    scored = [c.pop("prompt_logprobs") for c in body["choices"] if "prompt_logprobs" in c]
+    if scored:
+        body["prompt_logprobs"] = scored[0]  # every choice scored the same prompt
     if mode is None:
         return body
     for choice in body["choices"]:

@@ -14,6 +14,7 @@ import torch
 
 from cluster.core.logprobs import TokenLogprob, prompt_logprobs
 from cluster.core.sampling import SamplingParams
+from cluster.model.models import encode_prompt
 from cluster.model.verifier import VerifierEngine
 from cluster.session.speculate import SpeculativeDecoder
 from cluster.wire.codec import logprobs_from_pb, logprobs_to_pb, params_to_pb
@@ -212,6 +213,17 @@ def assert_echo_and_scoring(client: openai.OpenAI, model: str, tokenizer, target
     extra = scored.choices[0].model_extra["prompt_logprobs"]
     assert len(extra) == len(ids) and all(len(e) in (2, 3) for e in extra[1:])
     assert scored.choices[0].logprobs is None
+
+    # chat: vLLM's top-level prompt_logprobs, over the templated conversation
+    chat_ids = encode_prompt(tokenizer, ECHO_PROMPT, chat=True)
+    chat_reference = reference_logprobs(target_fp32, chat_ids)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": ECHO_PROMPT}],
+                                          max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1})
+    served = chat.model_extra["prompt_logprobs"]
+    assert served[0] is None and len(served) == len(chat_ids) == chat.usage.prompt_tokens
+    for i, t in enumerate(chat_ids[1:]):
+        assert abs(served[i + 1][str(t)]["logprob"] - chat_reference[i, t].item()) < tol, f"chat prompt position {i + 1}"
+    assert "prompt_logprobs" not in chat.choices[0].model_extra
 
     for kwargs, param in [(dict(max_tokens=0), "max_tokens"),
                           (dict(max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs")]:

@@ -4,7 +4,7 @@ under speculation, on the real model.
 - the mask of a round's row equals a fresh matcher's after the row's whole history (the matcher cache and
   rollback change nothing);
 - greedy output with a grammar is the same with any drafter (always right, always wrong: one-hot drafts the
-  grammar mostly refuses, the draft model as a chain and as a tree) as plain decoding under the same grammar, and every finished
+  grammar mostly refuses, cut before verification; the draft model as a chain and as a tree; n-gram) as plain decoding under the same grammar, and every finished
   output parses and validates against its schema;
 - sampled output with a choice grammar follows the target's masked distribution (chi-square against the
   exact probabilities, enumerated).
@@ -30,6 +30,7 @@ from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
 from cluster.wire.codec import params_from_pb, params_to_pb
 from drafts.draft_model import DraftModelProposer
+from drafts.ngram import NGramProposer
 from tests.helpers import OracleProposer
 from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue
 
@@ -48,7 +49,7 @@ GRAMMARS = [
     ("What is today's date?", StructuredOutputs(kind="regex", spec=r"\d{4}-\d{2}-\d{2}"), None),
     ("Is the sky blue?", StructuredOutputs.of_choice(["yes", "no", "it depends"]), None),
 ]
-MAX_TOKENS = 40
+MAX_TOKENS = 48
 
 
 def _fresh_mask(so: StructuredOutputs, history: list[int]) -> torch.Tensor:
@@ -85,7 +86,7 @@ def test_a_tree_of_paths_and_a_refused_draft(tokenizer):
     assert not allowed[0, bad[0]]
     assert allowed[1].sum() == allowed[2].sum() == 1  # after a whole choice: only the end of sequence
     assert allowed[3].all()  # a history the grammar refused is never reached: left unmasked
-    assert grammar.valid_prefix(so, VOCAB, [], yes + bad) == len(yes)
+    assert grammar.valid_prefix(so, [], yes + bad, VOCAB) == len(yes)
 
 
 def test_matchers_are_reused_along_a_session(tokenizer):
@@ -141,22 +142,31 @@ def test_plain_outputs_follow_their_grammars(cases, plain_outputs, tokenizer):
     assert finished >= 4, [r.text for r in plain_outputs]
 
 
-@pytest.mark.parametrize("kind", ["always-right", "always-wrong", "draft", "draft-tree"])
+@pytest.mark.parametrize("kind", ["always-right", "always-wrong", "draft", "draft-tree", "ngram"])
 def test_greedy_with_a_grammar_equals_plain_decoding(kind, cases, plain_outputs, target_fp32, draft_runner, tokenizer):
+    """always-wrong and n-gram drafts are deterministic: cut before verification at the first token the grammar
+    refuses (counted), the bonus token drawn there; the model drafts' q is masked as p is."""
     target = TorchModelRunner(target_fp32)
-    drafted = accepted = 0
+    drafted = accepted = cut = 0
     for (ids, params, _), want in zip(cases, plain_outputs):
         if kind.startswith("always"):
             proposer = OracleProposer({tuple(ids): want.token_ids}, target.vocab_size, wrong=kind == "always-wrong")
+        elif kind == "ngram":
+            proposer = NGramProposer(max_ngram=2)
         else:
             proposer = DraftModelProposer(draft_runner, tree_width=2 if kind == "draft-tree" else 1)
-        result = SpeculativeDecoder(target, proposer, tokenizer, num_speculative_tokens=4).generate(ids, params)
+        decoder = SpeculativeDecoder(target, proposer, tokenizer, num_speculative_tokens=4)
+        result = decoder.generate(ids, params)
         assert result.token_ids == want.token_ids, f"{kind}: {params.structured_outputs.kind}"
         drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
-    assert drafted > 0
+        cut += decoder.metrics.grammar_cut_drafts
     if kind == "always-wrong":
-        assert accepted == 0
-    elif kind in ("always-right", "draft"):
+        assert accepted == 0 and cut > 0
+    elif kind == "always-right":
+        assert accepted > 0.3 * drafted and cut == 0
+    elif kind == "ngram":
+        assert drafted > 0 or cut > 0
+    else:  # the model's drafts follow the grammar up to its end (drafts past an end of sequence may be cut)
         assert accepted > 0.3 * drafted
 
 

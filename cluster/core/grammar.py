@@ -76,19 +76,24 @@ def register_tokenizer(tokenizer=None, loader: Callable[[], object] | None = Non
             _tokenizer_loader = loader
 
 
-def _compiler(vocab_size: int):
+def _loaded_tokenizer():
     global _tokenizer
+    with _lock:
+        if _tokenizer is None:
+            if _tokenizer_loader is None:
+                raise RuntimeError("structured outputs: no tokenizer registered in this process "
+                                   "(cluster.core.grammar.register_tokenizer)")
+            _tokenizer = _tokenizer_loader()
+        return _tokenizer
+
+
+def _compiler(vocab_size: int):
     compiler = _compilers.get(vocab_size)
     if compiler is not None:
         return compiler
     import xgrammar
 
-    if _tokenizer is None:
-        if _tokenizer_loader is None:
-            raise RuntimeError("structured outputs: no tokenizer registered in this process "
-                               "(cluster.core.grammar.register_tokenizer)")
-        _tokenizer = _tokenizer_loader()
-    info = xgrammar.TokenizerInfo.from_huggingface(_tokenizer, vocab_size=vocab_size)
+    info = xgrammar.TokenizerInfo.from_huggingface(_loaded_tokenizer(), vocab_size=vocab_size)
     compiler = _compilers[vocab_size] = xgrammar.GrammarCompiler(info, max_threads=1)
     return compiler
 
@@ -212,9 +217,13 @@ def mask_rows(logits: torch.Tensor, so: StructuredOutputs, output_ids: Sequence[
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size)
 
 
-def valid_prefix(so: StructuredOutputs, vocab_size: int, output_ids: Sequence[int], draft_ids: Sequence[int]) -> int:
+def valid_prefix(so: StructuredOutputs, output_ids: Sequence[int], draft_ids: Sequence[int],
+                 vocab_size: int | None = None) -> int:
     """How many of `draft_ids` the grammar accepts after `output_ids` (drafts are cut there before
-    verification: p gives the first refused one no mass)."""
+    verification: p gives the first refused one no mass). `vocab_size` None: the tokenizer's (which tokens
+    a grammar accepts does not depend on the logits' padding)."""
+    if vocab_size is None:
+        vocab_size = next(iter(_compilers), None) or len(_loaded_tokenizer())
     key = (so, vocab_size)
     matcher, consumed = _matchers.take(key, output_ids)
     if _advance(matcher, output_ids[consumed:]) < len(output_ids) - consumed:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from cluster.core import grammar
 from cluster.core.errors import TandemError
 from cluster.core.messages import DraftReply, FeatureLog, SyncOp
 from cluster.core.stopping import StopChecker
@@ -179,6 +180,21 @@ class SessionLoop:
             draft = draft.sliced(0, limit)
         return draft
 
+    def _within_grammar(self, draft: DraftReply | None) -> DraftReply | None:
+        """A deterministic chain (no q: n-gram, suffix matches) cut at its first token the request's grammar
+        refuses: p gives that token 0, so the round would reject it there and verify the rest for nothing;
+        the bonus token is then drawn at its place, from p (what the rejection's residual would be). Drafts
+        with q are masked by the grammar already."""
+        so = self.state.params.structured_outputs
+        if so is None or draft is None or draft.parents is not None or draft.draft_probs is not None \
+                or draft.dense is not None:
+            return draft
+        valid = grammar.valid_prefix(so, self.state.output, draft.token_ids)
+        if valid == len(draft.token_ids):
+            return draft
+        self.metrics.add(grammar_cut_drafts=len(draft.token_ids) - valid)
+        return draft.sliced(0, valid) if valid else None
+
     def _send_sequential(self, verifier: VerifierPort, p: PipelineState) -> None:
         """One sequential round, with its bonus token: the session's own match if there is one, else the
         drafter's k drafts (a token tree when the proposer makes them), else a plain decoding step."""
@@ -190,6 +206,7 @@ class SessionLoop:
         draft = own = self.own_round(remaining, p.verifier_sessions)  # no drafter call
         if own is None and k > 0 and self.drafting:
             draft = self.drafter_round(k, remaining, bonus=True)
+        draft = self._within_grammar(draft)
         t1 = time.time()
         self.send(verifier, p, draft, True, RoundTiming(next(p.round_ids), t0, t1), own is not None)  # None: plain
         if self.config.pipeline_depth > 1:

@@ -49,6 +49,7 @@ class LoopMetrics:
     tree_branch_hits: int = 0  # ... whose accepted branch left the drafter's own chain (a sibling won)
     own_match_rounds: int = 0  # plain steps replaced by the session's own suffix match (`SessionLoop.own_match`)
     own_match_accepted: int = 0  # ... drafts of those rounds accepted
+    grammar_cut_drafts: int = 0  # deterministic drafts cut before verification: the grammar refuses them
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:

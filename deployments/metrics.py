@@ -46,6 +46,8 @@ class TandemMetrics:
             "tandem_own_match_rounds", "Plain steps the policy chose that went as a match of the session's own suffix.", tags)
         self.own_match_accepted = metrics.Counter(
             "tandem_own_match_accepted_tokens", "Drafts of own-suffix match rounds accepted.", tags)
+        self.grammar_cut_drafts = metrics.Counter(
+            "tandem_grammar_cut_drafts", "Deterministic drafts cut before verification: the request's grammar refuses them.", tags)
         self.replays = metrics.Counter("tandem_replays", "Sessions replayed onto another verifier replica.", tags)
         self.fallbacks = metrics.Counter("tandem_drafter_fallbacks", "Sessions that went on with plain decoding after losing their drafter.", tags)
         self.queue_depth = metrics.Gauge("tandem_queue_depth", "Requests waiting for a router slot.", tags)
@@ -54,7 +56,8 @@ class TandemMetrics:
                        self.accepted_tokens, self.accepted_per_position, self.drafted_per_position, self.rounds,
                        self.gamma, self.mean_accepted_length, self.ttft, self.inter_token, self.pipeline_stalls,
                        self.bubble_fills, self.bubble_fill_hits, self.stale_rounds, self.tree_rounds,
-                       self.tree_branch_hits, self.own_match_rounds, self.own_match_accepted, self.replays, self.fallbacks, self.queue_depth, self.active_sessions):
+                       self.tree_branch_hits, self.own_match_rounds, self.own_match_accepted, self.grammar_cut_drafts, self.replays, self.fallbacks,
+                       self.queue_depth, self.active_sessions):
             metric.set_default_tags(self.default_tags)
 
     def record_request(self, stats, finish_reason: str, ttft_s: float | None, inter_token_s: float | None) -> None:
@@ -87,7 +90,8 @@ class TandemMetrics:
                              ("bubble_fill_hits", self.bubble_fill_hits), ("stale_rounds", self.stale_rounds),
                              ("tree_rounds", self.tree_rounds), ("tree_branch_hits", self.tree_branch_hits),
                              ("own_match_rounds", self.own_match_rounds),
-                             ("own_match_accepted", self.own_match_accepted), ("replays", self.replays),
+                             ("own_match_accepted", self.own_match_accepted),
+                             ("grammar_cut_drafts", self.grammar_cut_drafts), ("replays", self.replays),
                              ("drafter_fallbacks", self.fallbacks)):
             if delta.get(name):
                 metric.inc(delta[name])

@@ -123,7 +123,8 @@ class RouterDeployment:
         return {"pipeline_stalls": m.pipeline_stalls, "bubble_fills": m.bubble_fills, "replays": m.replays,
                 "drafter_fallbacks": m.drafter_fallbacks, "bubble_fill_hits": m.bubble_fill_hits,
                 "stale_rounds": m.stale_rounds, "tree_rounds": m.tree_rounds, "tree_branch_hits": m.tree_branch_hits,
-                "own_match_rounds": m.own_match_rounds, "own_match_accepted": m.own_match_accepted}
+                "own_match_rounds": m.own_match_rounds, "own_match_accepted": m.own_match_accepted,
+                "grammar_cut_drafts": m.grammar_cut_drafts}
 
     def _record_router_metrics(self) -> None:
         counts = self._router_counts()

@@ -146,6 +146,23 @@ class TorchModelRunner:
             raise ValueError(f"cannot truncate session {session!r} of length {state.length} to {length}")
         state.cache.crop(length)
 
+    def share_prefix(self, source: SessionId, session: SessionId, length: int) -> None:
+        """Give the empty `session` the keys and values of `source`'s first `length` tokens (the same prompt
+        prefilled once for several sessions, as `n` choices open it): copied once, each session then writes
+        its own cache from there on."""
+        src, dst = self._get(source), self._get(session)
+        if dst.length or not 0 < length <= src.length:
+            raise ValueError(f"cannot share {length} tokens of {source!r} (length {src.length}) with "
+                             f"{session!r} (length {dst.length})")
+        for s_layer, d_layer in zip(src.cache.layers, dst.cache.layers):
+            d_layer.dtype, d_layer.device = s_layer.dtype, s_layer.device
+            capacity = max(d_layer.capacity, length)
+            d_layer.keys = s_layer.keys.new_empty(*s_layer.keys.shape[:2], capacity, s_layer.keys.shape[-1])
+            d_layer.values = s_layer.values.new_empty(*s_layer.values.shape[:2], capacity, s_layer.values.shape[-1])
+            d_layer.keys[:, :, :length] = s_layer.keys[:, :, :length]  # [1, H, length, D]
+            d_layer.values[:, :, :length] = s_layer.values[:, :, :length]
+            d_layer.length, d_layer.is_initialized = length, True
+
     def release(self, session: SessionId) -> None:
         self._sessions.pop(session, None)
         self.capture.discard(session)

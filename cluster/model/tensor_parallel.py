@@ -91,6 +91,9 @@ class TPLeaderRunner:
     def truncate(self, session, length):
         return self._call("truncate", session, length)
 
+    def share_prefix(self, source, session, length):
+        return self._call("share_prefix", source, session, length)
+
     def release(self, session):
         return self._call("release", session)
 

@@ -90,6 +90,7 @@ class _Session:
     pending: deque = field(default_factory=deque)  # (Round, Callback), in arrival order
     features: bool = False  # send the target's hidden states of committed positions (a feature-fed draft)
     tokens: list[int] | None = None  # the committed tokens (prompt, then output), kept only where processors act
+    opened: tuple[int, ...] = ()  # the tokens it opened with: their KV (all but the last) may be shared
 
 
 class VerifierEngine:
@@ -103,6 +104,7 @@ class VerifierEngine:
         self._stopped = False
         self.rounds_verified = 0
         self.stale_rounds = 0
+        self.shared_prefills = 0  # sessions opened with another open session's prompt KV (n choices)
 
     # -- sessions (called from gRPC threads) -----------------------------------------------------
 
@@ -134,7 +136,11 @@ class VerifierEngine:
             if features:
                 self.runner.capture.add(session)
             try:
-                if len(token_ids) > 1:  # with prompt_logprobs, row i: the raw logits after token i  # [n - 1, vocab]
+                donor = None if features or params.prompt_logprobs is not None else self._prefix_donor(token_ids)
+                if donor is not None:  # the same prompt, prefilled already: its KV, bit for bit what a prefill gives
+                    self.runner.share_prefix(donor, session, len(token_ids) - 1)
+                    self.shared_prefills += 1
+                elif len(token_ids) > 1:  # with prompt_logprobs, row i: the raw logits after token i  # [n - 1, vocab]
                     rows = self.runner.extend(session, list(token_ids[:-1]),
                                               num_logits=None if params.prompt_logprobs is not None else 0)
                 if features:
@@ -146,11 +152,24 @@ class VerifierEngine:
                 raise
             self._sessions[session] = _Session(params.with_seed(), len(token_ids), [int(token_ids[-1])],
                                                features=features,
-                                               tokens=[int(t) for t in token_ids] if params.processes_logits else None)
+                                               tokens=[int(t) for t in token_ids] if params.processes_logits else None,
+                                               opened=tuple(int(t) for t in token_ids))
         if params.prompt_logprobs is None:
             return Opened(len(token_ids), prompt_features)
         scored = [] if rows is None else prompt_logprobs(rows, token_ids, params.prompt_logprobs)  # outside the lock
         return Opened(len(token_ids), prompt_features, scored)
+
+    def _prefix_donor(self, token_ids: Sequence[int]) -> str | None:
+        """An open session that opened with the same tokens (a choice of the same request): the KV of all
+        but the last is its first positions' for good (a session never rolls back below what it opened
+        with). None where the runner cannot share or no session fits. Called under the lock."""
+        if len(token_ids) < 2 or not hasattr(self.runner, "share_prefix"):
+            return None
+        key = tuple(int(t) for t in token_ids)
+        for sid, state in reversed(self._sessions.items()):
+            if state.opened == key and self.runner.length(sid) >= len(key) - 1:
+                return sid
+        return None
 
     def release(self, session: str) -> bool:
         with self._lock:

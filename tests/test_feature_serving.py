@@ -86,7 +86,7 @@ def test_features_are_the_targets_and_travel_only_when_asked(target_fp32, tokeni
     ids = tokenizer("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")["input_ids"]
     params = SamplingParams(max_tokens=64)
     truth = target_fp32.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0].tolist()
-    n, prompt_features = engine.open("f", ids, params, features=True)
+    n, prompt_features = engine.open("f", ids, params, features=True)[:2]
     assert engine.open("plain", ids, params)[1] is None
     assert prompt_features.shape == (len(ids) - 1, target_fp32.config.hidden_size)
     log = {0: prompt_features}

@@ -245,6 +245,8 @@ class Ingress:
                                     top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
                                     stop=list(p.stop), ignore_eos=p.ignore_eos, **processor_fields_from_pb(p),
                                     **logprob_fields_from_pb(p), **text_fields_from_pb(p))
+            if params.structured_outputs is not None:
+                await asyncio.to_thread(grammar.check, params.structured_outputs, self.vocab_size)
         except InvalidRequestError as e:
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             grpc_context.set_details(str(e))

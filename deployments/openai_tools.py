@@ -246,13 +246,13 @@ async def stream(events: AsyncIterator[str], mode: str | None) -> AsyncIterator[
                 if not delta["content"] and set(delta) == {"content"} and choice.get("logprobs") is None:
                     continue
             if choice.get("finish_reason") is not None:
-                content, calls = parse(texts.get(i, ""), mode)
+                _, calls = parse(texts.get(i, ""), mode)  # the content before a call went out already
                 if calls:
                     deltas = [{"index": k, **call} for k, call in enumerate(calls)]
                     out.append({"index": i, "delta": {"tool_calls": deltas}, "finish_reason": None, "logprobs": None})
                     if choice["finish_reason"] == "stop" and not mode.startswith("named:"):
                         choice["finish_reason"] = "tool_calls"
-                rest = (texts.get(i, "") if not calls else (content or ""))[sent.get(i, 0):]
+                rest = texts.get(i, "")[sent.get(i, 0):]  # held back for nothing: no call after all
                 if rest and not calls:
                     out.append({"index": i, "delta": {"content": rest}, "finish_reason": None, "logprobs": None})
             out.append(choice)

@@ -324,6 +324,8 @@ GRPC_CASES = [
     ("logit-bias-over-vocab", _grpc(logit_bias={10**6: 1.0}), "token ids"),
     ("prompt-over-context", _grpc(prompt="hi " * 9000), "context length"),
     ("model-unknown", pb.GenerateRequest(model="gpt-4", prompt="hi"), "does not exist"),
+    ("grammar-bad-regex", _grpc(structured_outputs=pb.StructuredOutputs(kind="regex", spec="(a")), "cannot be compiled"),
+    ("grammar-unknown-kind", _grpc(structured_outputs=pb.StructuredOutputs(kind="magic")), "structured_outputs"),
 ]
 
 
@@ -403,6 +405,8 @@ def test_logits_processors_are_served_over_http_and_grpc(server, client):
     assert set(r.choices[0].model_extra["token_ids"]) <= {11, 12}
     replies = _generate(server, _grpc(max_tokens=3, logit_bias={42: 100.0}, min_tokens=1, stop_token_ids=[7]))
     assert [t for reply in replies for t in reply.token_ids] == [42, 42, 42]
+    chosen = _generate(server, _grpc(max_tokens=8, structured_outputs=pb.StructuredOutputs(kind="choice", spec='["yes", "no"]')))
+    assert "".join(reply.text for reply in chosen) in ("yes", "no")  # a grammar through the public gRPC API
 
 
 def test_refusals_name_the_field_through_the_client(client):

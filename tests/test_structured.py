@@ -223,3 +223,16 @@ def test_a_lazily_loaded_tokenizer_is_registered_without_deadlock(monkeypatch, m
     worker.join(timeout=120)
     assert not worker.is_alive(), "compiling with a lazily loaded tokenizer hung"
     assert grammar._tokenizer is not None
+
+
+def test_a_process_without_a_tokenizer_says_so(monkeypatch):
+    """The router's draft cut needs the vocabulary; where no model was loaded it is a NoTokenizer (the loop
+    then leaves drafts uncut, logged: p rejects a refused token anyway)."""
+    from collections import OrderedDict
+
+    monkeypatch.setattr(grammar, "_tokenizer", None)
+    monkeypatch.setattr(grammar, "_tokenizer_loader", None)
+    monkeypatch.setattr(grammar, "_compilers", {})
+    monkeypatch.setattr(grammar, "_compiled", OrderedDict())
+    with pytest.raises(grammar.NoTokenizer, match="no tokenizer registered"):
+        grammar.valid_prefix(StructuredOutputs.of_choice(["a"]), [], [1, 2])

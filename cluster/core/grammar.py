@@ -21,6 +21,7 @@ a model (`cluster.model.models`); a grammar in a process with none is a loud err
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar's text
 MAX_MATCHERS = 256  # cached matchers per process (a session's committed output each)
 MAX_COMPILED = 64  # compiled grammars per process
+log = logging.getLogger(__name__)
 
 
 class StructuredOutputs(BaseModel):
@@ -59,6 +61,19 @@ class StructuredOutputs(BaseModel):
 
 # ---- the process's vocabulary and compiled grammars --------------------------------------------------
 
+class NoTokenizer(RuntimeError):
+    """A grammar in a process that loaded no model (nor its tokenizer)."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s (logged once per process)", message)
+
+
 _lock = threading.RLock()  # re-entered: the lazy loader registers the tokenizer it loads
 _tokenizer_loader: Callable[[], object] | None = None
 _tokenizer = None
@@ -81,8 +96,8 @@ def _loaded_tokenizer():
     with _lock:
         if _tokenizer is None:
             if _tokenizer_loader is None:
-                raise RuntimeError("structured outputs: no tokenizer registered in this process "
-                                   "(cluster.core.grammar.register_tokenizer)")
+                raise NoTokenizer("structured outputs: no tokenizer registered in this process "
+                                  "(cluster.core.grammar.register_tokenizer)")
             _tokenizer = _tokenizer_loader()
         return _tokenizer
 

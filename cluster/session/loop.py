@@ -189,7 +189,11 @@ class SessionLoop:
         if so is None or draft is None or draft.parents is not None or draft.draft_probs is not None \
                 or draft.dense is not None:
             return draft
-        valid = grammar.valid_prefix(so, self.state.output, draft.token_ids)
+        try:
+            valid = grammar.valid_prefix(so, self.state.output, draft.token_ids)
+        except grammar.NoTokenizer as e:  # a process with no model: drafts go uncut (p still rejects them)
+            grammar.warn_once(f"drafts are not cut by the grammar here: {e}")
+            return draft
         if valid == len(draft.token_ids):
             return draft
         self.metrics.add(grammar_cut_drafts=len(draft.token_ids) - valid)

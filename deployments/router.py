@@ -136,7 +136,8 @@ class RouterDeployment:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None = None,
                        resume: SessionProgress | None = None) -> AsyncIterator[Chunk]:
         """Yields a `PromptChunk` first where `params.prompt_logprobs` asks for one, `TokensChunk`s, then a
-        `FinishChunk`; a failed request yields an `ErrorChunk` instead of raising. `params`: as the ingress validated them, with their seed (not checked again here).
+        `FinishChunk`; a failed request yields an `ErrorChunk` instead of raising. `params`: as the ingress
+        validated them, with their seed (not checked again here).
         `resume`: what the client was sent of this session by a router replica that died (the session
         goes on from there)."""
         loop = asyncio.get_running_loop()

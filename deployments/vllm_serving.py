@@ -137,14 +137,8 @@ def _delta_params(params: SamplingParams):
 
 
 def _prompt_logprobs(prompt_ids: list[int], entries, top: int) -> list[TokenLogprob]:
-    """vLLM's prompt logprobs (None for the first token, then per token a dict token id -> `Logprob`: the
-    prompt token's own, with its rank, and the `top` most likely ones) as tandem's, the top ones best first."""
-    out = []
-    for token_id, ranked in zip(prompt_ids[1:], entries[1:]):
-        best = sorted((lp.rank, i, lp.logprob) for i, lp in ranked.items() if lp.rank is not None and lp.rank <= top)
-        own = ranked[token_id]
-        out.append(TokenLogprob(int(token_id), own.logprob, tuple((i, lp) for _, i, lp in best), own.rank))
-    return out
+    """vLLM's prompt logprobs (None for the first token, then as a completion token's, with its rank)."""
+    return from_vllm_logprobs(prompt_ids[1:], entries[1:], top, ranks=True)
 
 
 def _server_base():

@@ -198,6 +198,15 @@ def _advance(matcher, tokens: Sequence[int]) -> int:
     return len(tokens)
 
 
+def _matcher_after(key, output_ids: Sequence[int]):
+    """A matcher (taken from the cache, or new) that has consumed `output_ids`; None where the output left the
+    grammar (never for a masked output)."""
+    matcher, consumed = _matchers.take(key, output_ids)
+    if _advance(matcher, output_ids[consumed:]) < len(output_ids) - consumed:
+        return None
+    return matcher
+
+
 def mask_rows(logits: torch.Tensor, so: StructuredOutputs, output_ids: Sequence[int],
               suffixes: Sequence[Sequence[int]]) -> None:
     """Mask in place the tokens the grammar refuses at each row.
@@ -210,9 +219,9 @@ def mask_rows(logits: torch.Tensor, so: StructuredOutputs, output_ids: Sequence[
 
     r, vocab_size = logits.shape
     key = (so, vocab_size)
-    matcher, consumed = _matchers.take(key, output_ids)
-    if _advance(matcher, output_ids[consumed:]) < len(output_ids) - consumed:
-        return  # the output already left the grammar (nothing after it is masked; never for a masked output)
+    matcher = _matcher_after(key, output_ids)
+    if matcher is None:
+        return  # nothing after an output that left the grammar is masked
     bitmask = xgrammar.allocate_token_bitmask(r, vocab_size)  # [r, ceil(vocab_size / 32)] int32, all allowed
     on: list[int] = []  # the suffix tokens the matcher holds now
     for i, suffix in enumerate(suffixes):
@@ -240,8 +249,8 @@ def valid_prefix(so: StructuredOutputs, output_ids: Sequence[int], draft_ids: Se
     if vocab_size is None:
         vocab_size = next(iter(_compilers), None) or len(_loaded_tokenizer())
     key = (so, vocab_size)
-    matcher, consumed = _matchers.take(key, output_ids)
-    if _advance(matcher, output_ids[consumed:]) < len(output_ids) - consumed:
+    matcher = _matcher_after(key, output_ids)
+    if matcher is None:
         return len(draft_ids)
     taken = _advance(matcher, draft_ids)
     if taken:

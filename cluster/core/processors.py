@@ -7,7 +7,8 @@ tokens), `logit_bias` (added), then the penalties: `repetition_penalty` over pro
 token's logit divided by it when positive, multiplied when negative), `frequency_penalty` (minus the
 penalty times the token's count in the output) and `presence_penalty` (minus the penalty once a token is
 in the output). tandem adds `structured_outputs` (a grammar's token mask, `cluster.core.grammar`) after
-the masks and the bias, before the penalties (a mask's -inf stays -inf either way). `min_p` acts after temperature and lives in `cluster.core.sampling.probabilities`.
+the masks and the bias, before the penalties (a mask's -inf stays -inf either way). `min_p` acts after
+temperature and lives in `cluster.core.sampling.probabilities`.
 
 The target (p) and the draft (q) are processed by the same function with the same history: a round's
 row i (the distribution at its draft position i) continues the committed output plus the round's drafts

@@ -68,6 +68,16 @@ class CursorLayer(DynamicLayer):
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def copy_prefix(self, source: "CursorLayer", length: int) -> None:
+        """This (empty) layer holds `source`'s first `length` keys and values, copied once."""
+        self.dtype, self.device = source.dtype, source.device
+        capacity = max(self.capacity, length)
+        self.keys = source.keys.new_empty(*source.keys.shape[:2], capacity, source.keys.shape[-1])  # [1, H, cap, D]
+        self.values = source.values.new_empty(*source.values.shape[:2], capacity, source.values.shape[-1])
+        self.keys[:, :, :length] = source.keys[:, :, :length]
+        self.values[:, :, :length] = source.values[:, :, :length]
+        self.length, self.is_initialized = length, True
+
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
 
@@ -155,13 +165,7 @@ class TorchModelRunner:
             raise ValueError(f"cannot share {length} tokens of {source!r} (length {src.length}) with "
                              f"{session!r} (length {dst.length})")
         for s_layer, d_layer in zip(src.cache.layers, dst.cache.layers):
-            d_layer.dtype, d_layer.device = s_layer.dtype, s_layer.device
-            capacity = max(d_layer.capacity, length)
-            d_layer.keys = s_layer.keys.new_empty(*s_layer.keys.shape[:2], capacity, s_layer.keys.shape[-1])
-            d_layer.values = s_layer.values.new_empty(*s_layer.values.shape[:2], capacity, s_layer.values.shape[-1])
-            d_layer.keys[:, :, :length] = s_layer.keys[:, :, :length]  # [1, H, length, D]
-            d_layer.values[:, :, :length] = s_layer.values[:, :, :length]
-            d_layer.length, d_layer.is_initialized = length, True
+            d_layer.copy_prefix(s_layer, length)
 
     def release(self, session: SessionId) -> None:
         self._sessions.pop(session, None)

@@ -136,7 +136,8 @@ class VerifierEngine:
             if features:
                 self.runner.capture.add(session)
             try:
-                donor = None if features or params.prompt_logprobs is not None else self._prefix_donor(token_ids)
+                opened = tuple(int(t) for t in token_ids)
+                donor = None if features or params.prompt_logprobs is not None else self._prefix_donor(opened)
                 if donor is not None:  # the same prompt, prefilled already: its KV, bit for bit what a prefill gives
                     self.runner.share_prefix(donor, session, len(token_ids) - 1)
                     self.shared_prefills += 1
@@ -153,21 +154,20 @@ class VerifierEngine:
             self._sessions[session] = _Session(params.with_seed(), len(token_ids), [int(token_ids[-1])],
                                                features=features,
                                                tokens=[int(t) for t in token_ids] if params.processes_logits else None,
-                                               opened=tuple(int(t) for t in token_ids))
+                                               opened=opened)
         if params.prompt_logprobs is None:
             return Opened(len(token_ids), prompt_features)
         scored = [] if rows is None else prompt_logprobs(rows, token_ids, params.prompt_logprobs)  # outside the lock
         return Opened(len(token_ids), prompt_features, scored)
 
-    def _prefix_donor(self, token_ids: Sequence[int]) -> str | None:
+    def _prefix_donor(self, opened: tuple[int, ...]) -> str | None:
         """An open session that opened with the same tokens (a choice of the same request): the KV of all
         but the last is its first positions' for good (a session never rolls back below what it opened
         with). None where the runner cannot share or no session fits. Called under the lock."""
-        if len(token_ids) < 2 or not hasattr(self.runner, "share_prefix"):
+        if len(opened) < 2 or not hasattr(self.runner, "share_prefix"):
             return None
-        key = tuple(int(t) for t in token_ids)
         for sid, state in reversed(self._sessions.items()):
-            if state.opened == key and self.runner.length(sid) >= len(key) - 1:
+            if state.opened == opened and self.runner.length(sid) >= len(opened) - 1:
                 return sid
         return None
 

@@ -103,19 +103,20 @@ def to_vllm_structured(so: StructuredOutputs | None):
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
-    value = {"json": so.spec, "json_object": True, "regex": so.spec, "choice": None, "grammar": so.spec}[so.kind]
-    if so.kind == "choice":
-        value = json.loads(so.spec)
+    value = json.loads(so.spec) if so.kind == "choice" else True if so.kind == "json_object" else so.spec
     return StructuredOutputsParams(**{so.kind: value}, disable_any_whitespace=not so.any_whitespace)
 
 
-def from_vllm_logprobs(token_ids: Sequence[int], logprobs, top: int) -> list[TokenLogprob]:
-    """vLLM's logprobs of a completion's tokens (per token a dict token id -> `Logprob`: the token's own
-    and the `top` most likely ones, ranked) as tandem's, the top ones best first."""
+def from_vllm_logprobs(token_ids: Sequence[int], logprobs, top: int, ranks: bool = False) -> list[TokenLogprob]:
+    """vLLM's logprobs of tokens (per token a dict token id -> `Logprob`: the token's own and the `top` most
+    likely ones, ranked) as tandem's, the top ones best first; `ranks`: with the token's own rank (prompt
+    logprobs)."""
     out = []
     for token_id, entries in zip(token_ids, logprobs):
         ranked = sorted((lp.rank, i, lp.logprob) for i, lp in entries.items() if lp.rank is not None and lp.rank <= top)
-        out.append(TokenLogprob(int(token_id), entries[token_id].logprob, tuple((i, lp) for _, i, lp in ranked)))
+        own = entries[token_id]
+        out.append(TokenLogprob(int(token_id), own.logprob, tuple((i, lp) for _, i, lp in ranked),
+                                own.rank if ranks else None))
     return out
 
 

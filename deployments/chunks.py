@@ -1,11 +1,13 @@
 """The messages of one request's stream, router deployment -> ingress, and what the ingress has sent of it.
 
-A router (`deployments/router.py`, or `VLLMRouterDeployment` on vLLM) yields, where the request asks
-for prompt logprobs, one `PromptChunk` first, then `TokensChunk`s as tokens are committed, then one
-`FinishChunk`; a refused or failed request yields one `ErrorChunk` instead (or after the tokens it sent).
+A router (`deployments/router.py`; on vLLM the verifier replica, `TandemLLMServer.generate`) yields,
+where the request asks for prompt logprobs, one `PromptChunk` first, then `TokensChunk`s as tokens are
+committed (paced: `deployments.pacing`), then one `FinishChunk`; a refused or failed request yields
+one `ErrorChunk` instead (or after the tokens it sent).
 The ingress and its failover tell them apart by type. They cross Serve handles (pickled), so they are
-plain frozen dataclasses of builtins. A vLLM verifier replica answers its router with the `PromptChunk`
-(where asked), `StepTokens`, then `StepFinish` (or an `ErrorChunk`).
+plain frozen dataclasses of builtins. Inside a vLLM verifier replica, the engine's side of a session
+(`generate_tokens`) yields the `PromptChunk` (where asked), `StepTokens`, then `StepFinish` (or an
+`ErrorChunk`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Everything a client can get wrong is checked here, before a stream starts (HTTP bodies are read and
 validated by `deployments/openai_api.py`): HTTP answers 4xx with an OpenAI-style error body, gRPC
 answers INVALID_ARGUMENT, whatever the input. Generation itself happens in the router
-deployment; this replica tokenizes, applies the chat template, and formats results.
+deployment (on vLLM: the verifier replicas, which drive their sessions); this replica tokenizes,
+applies the chat template, and formats results.
 """
 
 

@@ -25,6 +25,7 @@ from cluster.ray.router import Router
 from deployments.chunks import Chunk, ErrorChunk, FinishChunk, PromptChunk, SessionProgress, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.metrics import TandemMetrics
+from deployments.pacing import StreamPacing, paced
 from deployments.pools import ServeDrafterPool, ServeVerifierPool
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class RouterDeployment:
         self.metrics = TandemMetrics(self.config.model_id)
         self._waiting = 0
         self._active = 0
+        self.pacing = StreamPacing(self.config.stream_messages_per_s, self.sessions)
         self._last_counts = self._router_counts()
 
     def _router_counts(self) -> dict[str, int]:
@@ -135,6 +137,12 @@ class RouterDeployment:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None = None,
                        resume: SessionProgress | None = None) -> AsyncIterator[Chunk]:
+        """The session's chunks (`_session`), paced (`deployments.pacing`)."""
+        async for chunk in paced(self._session(prompt_ids, params, max_speculative_tokens, resume), self.pacing.interval_s):
+            yield chunk
+
+    async def _session(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None,
+                       resume: SessionProgress | None) -> AsyncIterator[Chunk]:
         """Yields a `PromptChunk` first where `params.prompt_logprobs` asks for one, `TokensChunk`s, then a
         `FinishChunk`; a failed request yields an `ErrorChunk` instead of raising. `params`: as the ingress
         validated them, with their seed (not checked again here).

@@ -1,16 +1,18 @@
 """Serving with vLLM as the target engine (`engine.backend: vllm`): the same OpenAI and gRPC APIs.
 
-The application is the ingress (unchanged), a thin router (`VLLMRouterDeployment`: validation,
-text deltas, stop strings, metrics, resumes after a router failover) and the verifier pool, whose
-replicas are Ray Serve LLM's `LLMServer` (its `LLMConfig`, builder, placement group per replica and
-vLLM engine startup, reused as they are) extended by `TandemLLMServer`:
+The application is the ingress (unchanged) and the verifier pool, whose replicas are Ray Serve LLM's
+`LLMServer` (its `LLMConfig`, builder, placement group per replica and vLLM engine startup, reused as
+they are) extended by `TandemLLMServer`. vLLM owns the decoding loop, so the replica also drives its
+sessions (`TandemLLMServer.generate`: text deltas, stop strings, metrics, resumes after a failover) and
+the ingress calls it directly: no router deployment, one Serve hop less for every streamed chunk
+(BENCHMARKS.md measured each hop's CPU per token). Streams are paced (`deployments.pacing`).
 
 - vLLM owns the target and its decoding loop; tandem's drafter proposes through the custom proposer
   class (`cluster.vllm.proposer.TandemProposer`), a client of the replica's `Drafter` actor.
 - Each replica has its own drafter actor (`drafter.placement`: the cheap accelerator), outside the
   replica's placement group: vLLM's proposer runs in the engine's worker process and must know its
   drafter before requests arrive, so drafters are paired with verifier replicas.
-- `generate_tokens` is the session's front door to vLLM: it registers the prompt with the drafter
+- `generate_tokens` is the session's way into vLLM: it registers the prompt with the drafter
   (the draft's prefill runs while the target prefills), submits the request with the session id as
   vLLM's request id (the proposer keys the drafter's session by it), streams the committed tokens,
   and ends the drafter's session when the request ends, finished, failed or cancelled (vLLM does not
@@ -41,10 +43,11 @@ from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params
 from cluster.vllm.proposer import PROPOSER_CLASS
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens, inline_matches
 from cluster.vllm.worker import WORKER_EXTENSION
-from deployments.assembly import ingress_deployment, router_options
+from deployments.assembly import ingress_deployment
 from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.metrics import TandemMetrics
+from deployments.pacing import StreamPacing, paced
 from deployments.router import IncrementalText
 
 log = logging.getLogger(__name__)
@@ -75,7 +78,9 @@ def llm_config(config: TandemAppConfig):
     if config.tensor_parallel_size > 1 and not on_gpu:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(config.tensor_parallel_size))
     spec = config.verifier
-    deployment = {"max_ongoing_requests": spec.max_ongoing_requests, "max_queued_requests": spec.max_queued_requests,
+    # the replicas drive their sessions (no router): the routers' admission bound applies to them
+    queued = spec.max_queued_requests if spec.max_queued_requests != -1 else config.router.max_queued_requests
+    deployment = {"max_ongoing_requests": spec.max_ongoing_requests, "max_queued_requests": queued,
                   # Serve LLM's own health-check timeout is 10 s: a CPU replica busy stepping (a drafter being
                   # replaced, another job on the machine) can take longer to answer, and three misses stop it
                   "health_check_period_s": 10, "health_check_timeout_s": 60, "ray_actor_options": {"num_cpus": 0},
@@ -148,14 +153,22 @@ def _server_base():
 
 
 class TandemLLMServer(_server_base()):
-    """A verifier replica on vLLM: Ray Serve LLM's `LLMServer` plus tandem's drafter and front door."""
+    """A verifier replica on vLLM: Ray Serve LLM's `LLMServer` plus tandem's drafter, and the sessions the
+    ingress sends it (`generate`). `tandem`: the application's config (`config`, a `TandemAppConfig` as a
+    dict) and what the replica's drafter and proposer need."""
 
-    async def __init__(self, llm_config, *, tandem: dict | None = None, **kwargs):
+    async def __init__(self, llm_config, *, tandem: dict, **kwargs):
         import ray
         from ray import serve
         from ray.util import metrics
+        from transformers import AutoConfig
 
-        tandem = tandem or {}
+        config = TandemAppConfig.build(tandem["config"])
+        path = models.resolve_model_path(config.engine.target, config.engine.cache_dir)
+        self.tokenizer = models.load_tokenizer(path)
+        self.eos_token_ids = eos_ids(AutoConfig.from_pretrained(path).eos_token_id)  # a final EOS's text is left out
+        self.metrics = TandemMetrics(config.model_id)
+        self.pacing = StreamPacing(config.stream_messages_per_s, lambda: self.open_sessions)
         self.drafter = None
         self.speculative = bool(tandem.get("speculative"))  # the rest of `tandem` is there when speculative
         matches = InlineMatches.model_validate(tandem["matches"]) if tandem.get("matches") else None
@@ -241,57 +254,19 @@ class TandemLLMServer(_server_base()):
                     pass  # disconnect's cancellation may reach this wait too: the release must still be sent
                 self.drafter.release.remote(session)
 
-    async def _record_proposer(self) -> None:
-        if not self.speculative:
-            return
-        try:  # bounded: the engine answers between steps, and a health check must not wait on metrics
-            stats = (await asyncio.wait_for(self.collective_rpc("tandem_stats"), PROPOSER_STATS_TIMEOUT_S))[0]
-        except Exception:  # noqa: BLE001 - metrics must not fail a request or a health check
-            log.debug("tandem_stats", exc_info=True)
-            return
-        for kind in PROPOSER_KINDS:
-            delta = int(stats.get(kind, 0)) - self._last_stats.get(kind, 0)
-            if delta > 0:
-                self.proposer_rows.inc(delta, {"kind": kind})
-            self._last_stats[kind] = int(stats.get(kind, 0))
-
-    async def proposer_stats(self) -> dict:
-        return (await self.collective_rpc("tandem_stats"))[0] if self.speculative else {}
-
-    async def drafter_stats(self) -> dict:
-        return await self.drafter.stats.remote() if self.drafter is not None else {}
-
-    def sessions(self) -> int:
-        return self.open_sessions
-
-    async def check_health(self) -> None:
-        # the engine only: a drafter that died or is restarting means plain steps, not a failed replica
-        await super().check_health()
-        await self._record_proposer()  # periodically (Serve's health checks), off the requests' path
-
-
-class VLLMRouterDeployment:
-    """The router for `engine.backend: vllm`: the same chunk protocol as `RouterDeployment.generate`
-    (the ingress and its failover are shared), generation by the vLLM verifier replicas."""
-
-    def __init__(self, config: dict, verifier_handle):
-        self.config = TandemAppConfig.build(config)
-        engine = self.config.engine
-        path = models.resolve_model_path(engine.target, engine.cache_dir)
-        self.tokenizer = models.load_tokenizer(path)
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(path)
-        self.max_context = min(self.config.vllm.max_model_len, model_config.max_position_embeddings)
-        self.vocab_size = model_config.vocab_size
-        self.eos_token_ids = eos_ids(model_config.eos_token_id)  # a final EOS's text is left out (unless asked)
-        self.verifier = verifier_handle
-        self.metrics = TandemMetrics(self.config.model_id)
-        self._active = 0
-
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_speculative_tokens: int | None = None,
                        resume: SessionProgress | None = None):
-        """`sampling`: as the ingress validated them (against vLLM's max_model_len too), with their seed."""
+        """The ingress's session: the same chunk protocol as `RouterDeployment.generate` (the ingress and its
+        failover are shared): a `PromptChunk` where asked, `TokensChunk`s, then a `FinishChunk` (or an
+        `ErrorChunk`), paced (`deployments.pacing`). `sampling`: as the ingress validated them (against
+        vLLM's max_model_len too), with their seed. `resume`: what the client was sent by a replica that
+        died (the session goes on from there)."""
+        async for chunk in paced(self._session(prompt_ids, sampling, max_speculative_tokens, resume),
+                                 self.pacing.interval_s):
+            yield chunk
+
+    async def _session(self, prompt_ids: list[int], sampling: SamplingParams, max_speculative_tokens: int | None,
+                       resume: SessionProgress | None):
         resume = resume or SessionProgress()
         output = list(resume.token_ids)
         stats = SpeculationStats(**resume.stats) if resume.stats else SpeculationStats(num_prompt_tokens=len(prompt_ids))
@@ -301,8 +276,7 @@ class VLLMRouterDeployment:
         t_start = time.perf_counter()
         first_token_s = None
         finish = "length"
-        self._active += 1
-        stream = None
+        stream = None  # generate_tokens, while it runs
         try:
             if remaining > 0 or sampling.prompt_logprobs is not None:  # (a resume never scores the prompt again)
                 # a resumed session goes on from prompt + what was sent (sampling is keyed by position)
@@ -312,8 +286,7 @@ class VLLMRouterDeployment:
                     yield ErrorChunk("server_error", "a session with presence or frequency penalties cannot be "
                                      "resumed exactly on the vLLM backend after a replica failed; retry the request")
                     return
-                stream = self.verifier.options(stream=True).generate_tokens.remote(
-                    session, list(prompt_ids) + output, step, max_speculative_tokens)
+                stream = self.generate_tokens(session, list(prompt_ids) + output, step, max_speculative_tokens)
                 async for chunk in stream:
                     match chunk:
                         case ErrorChunk():
@@ -348,19 +321,41 @@ class VLLMRouterDeployment:
             self.metrics.errors.inc(1, {"kind": "server_error"})
             yield ErrorChunk("server_error", f"generation failed: {e!r}")
         finally:
-            self._active -= 1
             if stream is not None:  # the caller went away (or failed): vLLM aborts the request
-                stream.cancel()
+                await stream.aclose()
+
+    async def _record_proposer(self) -> None:
+        if not self.speculative:
+            return
+        try:  # bounded: the engine answers between steps, and a health check must not wait on metrics
+            stats = (await asyncio.wait_for(self.collective_rpc("tandem_stats"), PROPOSER_STATS_TIMEOUT_S))[0]
+        except Exception:  # noqa: BLE001 - metrics must not fail a request or a health check
+            log.debug("tandem_stats", exc_info=True)
+            return
+        for kind in PROPOSER_KINDS:
+            delta = int(stats.get(kind, 0)) - self._last_stats.get(kind, 0)
+            if delta > 0:
+                self.proposer_rows.inc(delta, {"kind": kind})
+            self._last_stats[kind] = int(stats.get(kind, 0))
+
+    async def proposer_stats(self) -> dict:
+        return (await self.collective_rpc("tandem_stats"))[0] if self.speculative else {}
+
+    async def drafter_stats(self) -> dict:
+        return await self.drafter.stats.remote() if self.drafter is not None else {}
 
     def sessions(self) -> int:
-        return self._active
+        return self.open_sessions
 
-    def check_health(self) -> None:
-        self.metrics.active_sessions.set(self._active)
+    async def check_health(self) -> None:
+        # the engine only: a drafter that died or is restarting means plain steps, not a failed replica
+        await super().check_health()
+        await self._record_proposer()  # periodically (Serve's health checks), off the requests' path
+        self.metrics.active_sessions.set(self.open_sessions)
 
 
 def build_vllm_app(config: TandemAppConfig):
-    """The application for `engine.backend: vllm`: ingress → router → vLLM verifier replicas."""
+    """The application for `engine.backend: vllm`: ingress → vLLM verifier replicas."""
     from ray import serve
     from ray.serve.llm import build_llm_deployment
 
@@ -368,7 +363,7 @@ def build_vllm_app(config: TandemAppConfig):
     engine = config.engine.model_dump(mode="json")
     engine.update(backend="torch")  # the drafter's own models run on tandem's runner
     matches = inline_matches(config.engine)
-    tandem = {"speculative": config.speculative, "engine": engine,
+    tandem = {"config": plain, "speculative": config.speculative, "engine": engine,
               # proposer ngram drafts in vLLM's step only; the hybrid's long matches too, its other rounds remotely
               "drafter": config.engine.proposer != "ngram", "max_k": config.engine.num_speculative_tokens,
               "matches": matches.model_dump(mode="json") if matches else None,
@@ -377,5 +372,4 @@ def build_vllm_app(config: TandemAppConfig):
               "wait_first": config.vllm.wait_first}
     verifier = build_llm_deployment(llm_config(config), name_prefix="Verifier:", deployment_cls=TandemLLMServer,
                                     bind_kwargs={"tandem": tandem})
-    router = serve.deployment(VLLMRouterDeployment).options(**router_options(config)).bind(plain, verifier)
-    return ingress_deployment(config, plain, router)
+    return ingress_deployment(config, plain, verifier)  # the replicas drive their sessions: no router

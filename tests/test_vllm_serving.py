@@ -331,6 +331,29 @@ def test_sampled_speculation(client):
     assert fix["state"] == "applied"
 
 
+def test_replicas_drive_their_sessions_and_streams_are_paced(server):
+    """No router deployment on vLLM: the ingress calls the verifier replicas (one Serve hop less per
+    message), and a long stream from a replica with one session still sends every token, in order."""
+    from ray import serve
+
+    assert set(serve.status().applications["tandem"].deployments) == {"Ingress", VERIFIER}
+    body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 40, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    pieces, usage = [], None
+    with httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                pieces += [c["text"] for c in event["choices"] if c.get("text")]
+                usage = event.get("usage") or usage
+    whole = {k: v for k, v in body.items() if k != "stream_options"}
+    plain = httpx.post(server.http + "/v1/completions", json={**whole, "stream": False},
+                       timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert usage["completion_tokens"] == 40 and "".join(pieces) == plain["choices"][0]["text"]
+    assert 1 < len(pieces) <= 40
+
+
 def test_sessions_released_on_finish_and_disconnect(server):
     body = {"model": MODEL, "prompt": "Count from one to a thousand: one, two,", "max_tokens": 1500,
             "temperature": 0, "stream": True, "ignore_eos": True}

@@ -79,10 +79,18 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
     # otherwise put the node on the machine's own address (Ray resolves 127.0.0.1 to it)
     ray_constants.ENABLE_RAY_CLUSTER = False
     # CPUs are logical here: actors are mostly waiting, and each pins its own torch threads.
-    with _environment(LOOPBACK_ONLY_ENV):  # what Ray's processes (started here) inherit
+    env = {**LOOPBACK_ONLY_ENV, **SERVE_TRANSPORT_ENV}
+    with _environment(env):  # what Ray's processes (started here) inherit
         ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
                  include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ONLY_ENV}})
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", **env}})
+
+
+# Serve's handles (ingress -> router / vLLM replica) and its proxy reach replicas over gRPC, each replica's
+# own inter-deployment server, instead of Ray actor calls and the object store: measured here at 16
+# streams, 342 against 258 tokens/s through `tandem serve` (BENCHMARKS.md, "Where a streamed token's CPU
+# goes"). Serve's own setting (`RAY_SERVE_USE_GRPC_BY_DEFAULT`), read when each process imports Serve.
+SERVE_TRANSPORT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
 
 
 # A single-machine Ray's processes reach nothing but loopback. Ray's dashboard asks the cloud metadata

@@ -504,13 +504,17 @@ def test_inline_matches_are_drafted_in_the_step():
     history = [[5, 6, 7, 8, 5, 6], [1, 2, 3, 4], [9, 4, 9, 4, 9]]
     proposer = TandemProposer(None)
     proposer.k = 4
-    proposer.configure(DrafterSpec(matches=lookup), _Runner(["a", "b", "c~k1"]), 0)
-    ids = np.zeros((3, 8), dtype=np.int64)
+    # vLLM's internal ids: the id the front door gave + "-" + 8 characters (the cap is read through them)
+    proposer.configure(DrafterSpec(matches=lookup), _Runner(["a-0123abcd", "b-0123abcd", "c~k1-0123abcd",
+                                                             "d~k0-0123abcd"]), 0)
+    history.append([5, 6, 7, 8, 5, 6])  # a match, but the request asked for plain decoding
+    ids = np.zeros((4, 8), dtype=np.int64)
     for i, h in enumerate(history):
         ids[i, :len(h)] = h
-    out = proposer.propose([[6], [4], [9]], np.array([len(h) for h in history]), ids)
-    assert out == [[7, 8, 5], [], [4]]  # lookup's earliest match, 3 tokens; no match; the request's cap of 1
+    out = proposer.propose([[6], [4], [9], [6]], np.array([len(h) for h in history]), ids)
+    assert out == [[7, 8, 5], [], [4], []]  # lookup's earliest match, 3 tokens; no match; caps of 1 and 0
     assert proposer.stats["matched_rows"] == 2 and proposer.stats["matched_tokens"] == 4
+    assert proposer.stats["plain_rows"] == 1
     assert proposer.sessions == {} and proposer.stats["rows_without_drafter"] == 0
 
     own = InlineMatches(kind="own", max_tokens=4, min_match=4)

@@ -154,7 +154,8 @@ class TandemProposer:
             self.stats["rows"] += 1
             history = token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist()
             key = self._key(req_ids[i])
-            cap = RequestKey.parse(key).cap
+            # the cap is in the id the front door gave (vLLM's internal id adds a suffix), drafter or not
+            cap = RequestKey.parse(RequestKey.from_vllm(req_ids[i])).cap
             if cap == 0:  # this request asked for plain decoding
                 self.stats["plain_rows"] += 1
                 out.append([])

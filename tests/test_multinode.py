@@ -15,7 +15,7 @@ import ray
 
 from cluster.core.config import EngineConfig, NetworkConfig, PlacementConfig, TLSConfig
 from cluster.core.sampling import SamplingParams
-from cluster.ray.runtime import ClusterConfig, TandemCluster
+from cluster.ray.runtime import LOOPBACK_ONLY_ENV, ClusterConfig, TandemCluster, environment
 from cluster.wire.transport import bind_host
 from protos import pb, rpc
 from tests.net_helpers import listening_hosts, self_signed, status_code
@@ -38,10 +38,14 @@ def two_nodes():
     temp = tempfile.mkdtemp(prefix="tmn", dir="/tmp")  # short: Ray's socket paths must fit
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     os.environ.update(RAY_TMPDIR=temp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    cluster = Cluster(initialize_head=True, head_node_args={"node_ip_address": HEAD, "num_cpus": 8,
-                                                            "include_dashboard": False})
+    # the nodes' processes get what init_local_ray gives its own: no probe of cloud metadata services
+    # (tests/test_loopback.py watches the whole machine, this module's nodes included)
+    with environment(LOOPBACK_ONLY_ENV):
+        cluster = Cluster(initialize_head=True, head_node_args={"node_ip_address": HEAD, "num_cpus": 8,
+                                                                "include_dashboard": False})
     try:
-        second = cluster.add_node(node_ip_address=SECOND, num_cpus=4, resources={"verifier_node": 1})
+        with environment(LOOPBACK_ONLY_ENV):
+            second = cluster.add_node(node_ip_address=SECOND, num_cpus=4, resources={"verifier_node": 1})
         cluster.wait_for_nodes()
         ray.init(address=cluster.address)
         yield second

@@ -80,7 +80,7 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
     ray_constants.ENABLE_RAY_CLUSTER = False
     # CPUs are logical here: actors are mostly waiting, and each pins its own torch threads.
     env = {**LOOPBACK_ONLY_ENV, **SERVE_TRANSPORT_ENV}
-    with _environment(env):  # what Ray's processes (started here) inherit
+    with environment(env):  # what Ray's processes (started here) inherit
         ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
                  include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", **env}})
@@ -106,7 +106,8 @@ LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **TELEMETRY_OFF,
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]):
+def environment(values: dict[str, str]):
+    """`values` set in os.environ for the block (what processes started in it inherit), then restored."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

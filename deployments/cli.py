@@ -65,14 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine", choices=["auto", "torch", "vllm"],
                      help="override engine.backend: vllm serves the target on vLLM verifier replicas (Ray Serve "
                           "LLM's LLMServer) with tandem's drafter (needs .[vllm]); auto: vLLM when installed")
-    srv.add_argument("--proposer", choices=["draft", "ngram", "hybrid", "none"], help="override engine.proposer")
+    srv.add_argument("--proposer", choices=["draft", "ngram", "suffix", "hybrid", "none", "auto"], help="override engine.proposer")
     return parser
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF model dir")
-    p.add_argument("--proposer", default="hybrid",
-                   help="hybrid (default: a suffix match when long enough, else the draft; BENCHMARKS.md) | draft | ngram | none")
+    p.add_argument("--proposer", default="auto",
+                   help="auto (default: the engine's, 'hybrid' on torch, 'suffix' on vLLM; BENCHMARKS.md) | hybrid (a suffix "
+                        "match when long enough, else the draft) | suffix (priced suffix matches, no model) | draft | ngram | none")
     p.add_argument("--draft", default="int8", help="'int8' (quantized copy of the target) or a local HF model dir")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16")

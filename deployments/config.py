@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.core.config import EngineConfig, PlacementConfig, check_tp_placement
+from cluster.core.config import AUTO_PROPOSERS, EngineConfig, PlacementConfig, check_tp_placement
 from cluster.core.errors import ConfigError, validation_message
 from cluster.session.loop import LoopConfig
 from drafts.factory import needs_features, speculates
@@ -129,7 +129,8 @@ class TandemAppConfig(LoopConfig):
     @model_validator(mode="before")
     @classmethod
     def _resolve_auto(cls, data: Any) -> Any:
-        """engine.backend 'auto' becomes the engine `resolve_backend` chooses (logged)."""
+        """engine.backend 'auto' becomes the engine `resolve_backend` chooses, then engine.proposer 'auto' that
+        engine's (`AUTO_PROPOSERS`); both logged."""
         if not isinstance(data, dict):
             return data
         engine = data.get("engine")
@@ -141,7 +142,12 @@ class TandemAppConfig(LoopConfig):
             except ValidationError:
                 return data  # the engine's own validation names the field
             log.info("engine.backend auto: %s (%s)", backend, why)
-            data = {**data, "engine": {**engine, "backend": backend}}
+            engine = {**engine, "backend": backend}
+            data = {**data, "engine": engine}
+        if isinstance(engine, dict) and engine.get("proposer") == "auto" and engine.get("backend", "torch") in AUTO_PROPOSERS:
+            proposer = AUTO_PROPOSERS[engine.get("backend", "torch")]
+            log.info("engine.proposer auto: %s (on the %s engine: BENCHMARKS.md)", proposer, engine.get("backend", "torch"))
+            data = {**data, "engine": {**engine, "proposer": proposer}}
         return data
 
     @model_validator(mode="after")

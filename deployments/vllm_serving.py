@@ -41,7 +41,8 @@ from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
 from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params
 from cluster.vllm.proposer import PROPOSER_CLASS
-from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens, inline_matches
+from cluster.vllm.protocol import (INLINE_ONLY, DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens,
+                                   inline_matches)
 from cluster.vllm.worker import WORKER_EXTENSION
 from deployments.assembly import ingress_deployment
 from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
@@ -192,7 +193,7 @@ class TandemLLMServer(_server_base()):
                 spec = DrafterSpec(ray=RayDrafter(actor=name, namespace=runtime.namespace,
                                                   address=runtime.gcs_address, auth_mode=os.environ.get("RAY_AUTH_MODE")),
                                    registered=True, matches=matches, **tuning)
-            else:  # free drafts only (proposer ngram): made in vLLM's step, no drafter
+            else:  # free drafts only (proposers ngram, suffix): made in vLLM's step, no drafter
                 spec = DrafterSpec(matches=matches, **tuning)
             await self.collective_rpc("tandem_configure", args=(spec.wire(),))
         self.fix = (await self.collective_rpc("tandem_fix_rejection_sampler"))[0]  # every worker, before requests
@@ -364,8 +365,8 @@ def build_vllm_app(config: TandemAppConfig):
     engine.update(backend="torch")  # the drafter's own models run on tandem's runner
     matches = inline_matches(config.engine)
     tandem = {"config": plain, "speculative": config.speculative, "engine": engine,
-              # proposer ngram drafts in vLLM's step only; the hybrid's long matches too, its other rounds remotely
-              "drafter": config.engine.proposer != "ngram", "max_k": config.engine.num_speculative_tokens,
+              # proposers ngram and suffix draft in vLLM's step only; the hybrid's long matches too, its other rounds remotely
+              "drafter": config.engine.proposer not in INLINE_ONLY, "max_k": config.engine.num_speculative_tokens,
               "matches": matches.model_dump(mode="json") if matches else None,
               "drafter_placement": config.drafter.placement.model_dump(mode="json"),
               "overlap": config.vllm.overlap, "wait_s": config.vllm.wait_s, "on_miss": config.vllm.on_miss,

@@ -12,13 +12,14 @@ import logging
 import torch
 
 from cluster.core.config import INT8_DRAFT, EngineConfig
+from cluster.core.errors import ConfigError
 from cluster.model import models
 from cluster.model.runner import TorchModelRunner
 from drafts.draft_model import DraftModelProposer, quantized_copy
 from drafts.feature_model import load_feature_draft
 from drafts.feature_proposer import FeatureProposer, feature_draft_dir, is_feature_draft
 from drafts.hybrid import HybridProposer
-from drafts.ngram import NGramProposer
+from drafts.ngram import NGramProposer, SuffixProposer
 from drafts.proposer import Proposer
 from drafts.small_draft import is_tandem_draft, load_draft
 from drafts.suffix import OwnMatch
@@ -52,6 +53,12 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module | None, ta
         return None
     if config.proposer == "ngram":
         return NGramProposer(max_ngram=config.max_ngram)
+    if config.proposer == "suffix":
+        return SuffixProposer(max_tokens=max(config.num_speculative_tokens, config.match_tokens),
+                              max_ngram=config.max_ngram)
+    if config.proposer == "auto":
+        raise ConfigError("proposer 'auto' is chosen with the engine: set engine.backend to torch or vllm, or serve "
+                          "the config (its backend 'auto' is resolved first)")
     if is_feature_draft(config.draft):  # EAGLE-style: reads the target's features, sent by the verifier
         model = FeatureProposer(load_feature_draft(target_model, feature_draft_dir(config.draft)),
                                 tree_width=config.tree_width, tree_tokens=config.tree_tokens)

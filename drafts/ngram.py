@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from cluster.core.errors import ConfigError
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
+from drafts.suffix import PricedMatch
 
 
 def ngram_lookup(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -40,3 +41,31 @@ class NGramProposer(SequenceProposer):
         draft = ngram_lookup(tokens, k, self.max_ngram, self.min_ngram) if k > 0 else []
         tokens.extend(draft)  # the proposer's own optimistic sequence
         return DraftProposal(draft, None)
+
+
+class SuffixProposer(SequenceProposer):
+    """Proposer `suffix`: the session's own longest suffix match, each draft as long as its tokens pay for
+    their verification (`drafts.suffix.PricedMatch`, learned from the verdicts, priced for the sessions
+    this proposer holds). No model; deterministic given the table, so q is one-hot. On the vLLM backend
+    the same drafts are made inside vLLM's step (`cluster.vllm.proposer`)."""
+
+    name = "suffix"
+
+    def __init__(self, max_tokens: int = 16, max_ngram: int = 3):
+        super().__init__()
+        self.priced = PricedMatch(max_tokens=max_tokens, max_ngram=max_ngram)
+        self._given: dict[SessionId, int] = {}  # the match length behind the session's last draft
+
+    def propose(self, session: SessionId, k: int) -> DraftProposal:
+        tokens = self.tokens(session)
+        draft, match = self.priced.propose(tokens, k, max(1, self.num_sessions)) if k > 0 else ([], 0)
+        self._given[session] = match
+        tokens.extend(draft)  # the proposer's own optimistic sequence
+        return DraftProposal(draft, None)
+
+    def learn(self, session: SessionId, num_drafted: int, num_accepted: int) -> None:
+        self.priced.learn(self._given.pop(session, 0), num_drafted, num_accepted)
+
+    def release(self, session: SessionId) -> None:
+        super().release(session)
+        self._given.pop(session, None)

@@ -106,3 +106,77 @@ def match_tree(chains: list[list[int]]) -> tuple[list[int], list[int]]:
             parents.append(-1 if i == 0 else len(token_ids) - 1)
             token_ids.append(token)
     return token_ids, parents
+
+
+class PricedMatch:
+    """Free drafts priced token by token: the continuation of the longest earlier match of the committed
+    tokens' own suffix (`suffix_match`, extended back up to `max_match` tokens), cut where the next
+    token's chance of being accepted falls below what verifying it costs.
+
+    How likely a match's continuation is right depends on how long the match is (a 1-token match is
+    mostly wrong, an 8-token one mostly right: BENCHMARKS.md). Per match length m (capped at
+    `max_match`) and position j it keeps q[m][j], the chance that draft token j is accepted given
+    that the tokens before it were, learned from the verdicts (`learn`) with exponential forgetting
+    (`weight`) and started from a prior that rises with m. A draft keeps token j while
+    q[m][0]·…·q[m][j] (the chance token j is accepted at all, the tokens it adds in expectation)
+    stays at or above the price: `threshold` for one row, plus `per_row` for every further row of the
+    step (a fuller batch makes each verified token dearer). Lossless like every match: the drafts
+    depend only on the committed tokens and the learned table, never on the target's output."""
+
+    PRIOR_TRIALS = 4.0  # weight of the prior, in verdicts
+
+    def __init__(self, max_tokens: int = 16, max_match: int = 16, max_ngram: int = 3, threshold: float = 0.1,
+                 per_row: float = 0.04, weight: float = 0.02):
+        if not (max_tokens >= 1 and max_match >= max_ngram >= 1 and 0 < threshold < 1 and per_row >= 0
+                and 0 < weight < 1):
+            raise ValueError("PricedMatch needs max_tokens >= 1, max_match >= max_ngram >= 1, 0 < threshold < 1, "
+                             "per_row >= 0 and 0 < weight < 1")
+        self.max_tokens, self.max_match, self.max_ngram = max_tokens, max_match, max_ngram
+        self.threshold, self.per_row, self.weight = threshold, per_row, weight
+        self._hits = [[self.prior(m, j) * self.PRIOR_TRIALS for j in range(max_tokens)] for m in range(max_match + 1)]
+        self._trials = [[self.PRIOR_TRIALS] * max_tokens for _ in range(max_match + 1)]
+
+    @staticmethod
+    def prior(m: int, j: int) -> float:
+        """The prior q[m][j]: a first token right 20% of the time after a 1-token match, 52% after 2,
+        71% after 3, rising towards 1; a later token (its predecessors right) closes 40% of the rest."""
+        first = 1.0 - 0.8 * 0.6 ** max(0, m - 1)
+        return first if j == 0 else first + 0.4 * (1.0 - first)
+
+    def price(self, rows: int = 1) -> float:
+        return min(0.95, self.threshold + self.per_row * max(0, rows - 1))
+
+    def q(self, m: int, j: int) -> float:
+        return self._hits[m][j] / self._trials[m][j]
+
+    def propose(self, tokens: Sequence[int], limit: int, rows: int = 1) -> tuple[list[int], int]:
+        """(the draft, its match length) for `tokens`, at most `limit` tokens, priced for a step of `rows`
+        rows; ([], 0) without a match, ([], m) when not even its first token pays."""
+        k = min(limit, self.max_tokens)
+        if k <= 0:
+            return [], 0
+        draft, match = suffix_match(tokens, tokens, k, self.max_ngram, 1, self.max_match)
+        if not match:
+            return [], 0
+        m, price, p, n = min(match, self.max_match), self.price(rows), 1.0, 0
+        for j in range(len(draft)):
+            p *= self.q(m, j)
+            if p < price:
+                break
+            n = j + 1
+        return draft[:n], match
+
+    def learn(self, match: int, drafted: int, accepted: int) -> None:
+        """A verdict: of `drafted` tokens drafted after a match of length `match`, the first `accepted`
+        were accepted. Tokens 0..accepted were tried (the ones before them right), 0..accepted-1 right."""
+        if match <= 0 or drafted <= 0:
+            return
+        m, keep = min(match, self.max_match), 1.0 - self.weight
+        hits, trials = self._hits[m], self._trials[m]
+        for j in range(min(accepted + 1, drafted, self.max_tokens)):
+            trials[j] = trials[j] * keep + 1.0
+            hits[j] = hits[j] * keep + (1.0 if j < accepted else 0.0)
+
+    def table(self) -> list[list[float]]:
+        """q[m][j] for m = 1..max_match (metrics, tests)."""
+        return [[self.q(m, j) for j in range(self.max_tokens)] for m in range(1, self.max_match + 1)]

@@ -116,4 +116,10 @@ def test_auto_backend_is_chosen_deterministically_and_logged(monkeypatch, caplog
         assert TandemAppConfig.build({"engine": {"backend": "auto", "proposer": "ngram"}}) == config  # deterministic
         feature = TandemAppConfig.build({"engine": {"backend": "auto", "draft": "feature"}})
         assert feature.engine.backend == "torch"  # vLLM cannot feed a feature draft
+        with caplog.at_level(logging.INFO, logger="deployments.config"):
+            caplog.clear()
+            auto = TandemAppConfig.build({"engine": {"backend": "auto", "proposer": "auto"}})
+        # the proposer follows the engine: free priced matches on vLLM, the hybrid on the torch runner
+        assert auto.engine.proposer == ("suffix" if installed else "hybrid")
+        assert f"engine.proposer auto: {auto.engine.proposer}" in caplog.text
     assert TandemAppConfig.build({"engine": {"backend": "torch"}}).engine.backend == "torch"  # explicit stays

@@ -11,7 +11,7 @@ import pytest
 from cluster.core.sampling import SamplingParams
 from cluster.session.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
-from drafts.ngram import NGramProposer
+from drafts.ngram import NGramProposer, SuffixProposer
 from tests.helpers import OracleProposer, SiblingOracleProposer
 
 MAX_TOKENS = 48  # both stops still occur (asserted below); each prompt is still ~10 rounds at γ 4
@@ -58,6 +58,8 @@ def _make_proposer(kind, draft_runner, references, vocab):
         return DraftModelProposer(draft_runner)
     if kind == "ngram":
         return NGramProposer()
+    if kind == "suffix":
+        return SuffixProposer()
     if kind == "none":
         return None
     return OracleProposer(references, vocab, wrong=(kind == "always-wrong"))
@@ -67,7 +69,7 @@ def _make_proposer(kind, draft_runner, references, vocab):
 SUBSET = (0, 4, 6, 7, 8, 10)
 
 
-@pytest.mark.parametrize("kind", ["draft", "ngram", "none", "always-right", "always-wrong"])
+@pytest.mark.parametrize("kind", ["draft", "ngram", "suffix", "none", "always-right", "always-wrong"])
 def test_greedy_equals_transformers(kind, target_runner, draft_runner, tokenizer, prompt_ids, references):
     proposer = _make_proposer(kind, draft_runner, references, target_runner.vocab_size)
     decoder = SpeculativeDecoder(target_runner, proposer, tokenizer, num_speculative_tokens=4)
@@ -91,6 +93,8 @@ def test_greedy_equals_transformers(kind, target_runner, draft_runner, tokenizer
         assert accepted == 0 and drafted > 0
     if kind == "draft":
         assert accepted > 0.3 * drafted
+    if kind in ("ngram", "suffix"):
+        assert 0 < accepted < drafted  # both the accept and the reject paths ran
 
 
 @pytest.mark.parametrize("gamma", [1, 8])

@@ -1,5 +1,7 @@
 """Prompt lookup picks the continuation of the earliest, longest match."""
 
+import pytest
+
 from cluster.core.sampling import SamplingParams
 from drafts.ngram import NGramProposer, ngram_lookup
 
@@ -38,3 +40,40 @@ def test_lookup_equals_its_definition_on_random_sequences():
         tokens = [rng.randrange(rng.choice((2, 4, 16))) for _ in range(rng.randrange(0, 40))]
         k, max_ngram = rng.randrange(1, 6), rng.randrange(1, 5)
         assert ngram_lookup(tokens, k, max_ngram) == _lookup_by_scan(tokens, k, max_ngram), (tokens, k, max_ngram)
+
+
+def test_priced_match_drafts_what_pays_and_learns_from_verdicts():
+    from drafts.suffix import PricedMatch
+
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]  # "1 2 3" matches (3 long): continuation 4 5 6 ...
+    priced = PricedMatch(max_tokens=6, max_match=8, threshold=0.1, per_row=0.05)
+    draft, match = priced.propose(tokens, 6)
+    assert match == 3 and draft == [4, 5, 6, 7, 8, 9][:len(draft)] and len(draft) >= 2  # the prior lets it draft
+    assert priced.propose(tokens, 1)[0] == [4]  # the limit
+    assert len(priced.propose(tokens, 6, rows=16)[0]) < len(draft)  # a full batch prices tokens higher
+    for _ in range(300):  # 3-token matches never right: their drafts stop
+        priced.learn(3, len(draft), 0)
+    assert priced.propose(tokens, 6) == ([], 3)
+    assert priced.q(3, 0) < 0.1 and priced.q(4, 0) == PricedMatch.prior(4, 0)  # other lengths untouched
+    longer = PricedMatch(max_tokens=6, max_match=8, threshold=0.3)
+    first = len(longer.propose(tokens, 6)[0])
+    for _ in range(300):  # always all right: as long as allowed
+        longer.learn(3, 6, 6)
+    assert longer.propose(tokens, 6)[0] == [4, 5, 6, 7, 8, 9] and first < 6
+    assert longer.propose([1, 2, 3, 4], 6) == ([], 0)  # no match at all
+    with pytest.raises(ValueError):
+        PricedMatch(threshold=0.0)
+
+
+def test_suffix_proposer_learns_its_own_verdicts():
+    from drafts.ngram import SuffixProposer
+
+    proposer = SuffixProposer(max_tokens=8)
+    proposer.start("s", [7, 8, 9, 10, 11, 12, 7, 8, 9], SamplingParams())
+    first = proposer.propose("s", 8).token_ids
+    assert first and first == [10, 11, 12, 7, 8, 9][:len(first)]
+    before = proposer.priced.q(3, 0)
+    proposer.learn("s", len(first), 0)
+    assert proposer.priced.q(3, 0) < before  # the verdict reached the table of its match length
+    proposer.release("s")
+    assert proposer.num_sessions == 0 and proposer._given == {}

@@ -16,7 +16,7 @@ from cluster.core.sampling import SamplingParams, probabilities
 from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
-from drafts.ngram import NGramProposer
+from drafts.ngram import NGramProposer, SuffixProposer
 from tests.helpers import tiny_llama
 
 FALSE_ALARM = 1e-3
@@ -80,12 +80,16 @@ def test_draft_model_speculation_follows_target(tiny_pair, kw):
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
 
 
-def test_ngram_speculation_follows_target(tiny_pair):
+@pytest.mark.parametrize("proposer", [NGramProposer, SuffixProposer])
+def test_ngram_speculation_follows_target(tiny_pair, proposer):
     target, _ = tiny_pair
     params = SamplingParams(temperature=1.0)
     exact = exact_continuation_probs(target, PROMPT, 3, params)
-    samples = _sample_many(target, NGramProposer, params, 2500, 3, gamma=3)
-    assert chi_square_pvalue(samples, exact) > FALSE_ALARM
+    decoder = SpeculativeDecoder(TorchModelRunner(target), proposer(), None, 3)
+    results = [decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})) for i in range(2500)]
+    drafted, accepted = sum(r.stats.drafted for r in results), sum(r.stats.accepted for r in results)
+    assert drafted > 100 and 0 < accepted < drafted  # matches of the prompt were drafted, both paths ran
+    assert chi_square_pvalue([tuple(r.token_ids) for r in results], exact) > FALSE_ALARM
 
 
 @pytest.mark.parametrize("gamma", [2])

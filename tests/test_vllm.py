@@ -228,14 +228,19 @@ def test_always_wrong_proposer(spec, prompts, reference, gamma):
     assert stats["verdict_drafted"] > 0 and stats["verdict_accepted"] == 0  # verdicts reach the drafter
 
 
-def test_inline_lookup_greedy_equals_target_only(spec, prompts, reference):
-    """Proposer ngram on vLLM: prompt lookup made by the proposer in vLLM's step, no drafter at all."""
-    outputs, counters, stats = _run(spec, prompts, drafter_spec(EngineConfig(proposer="ngram", num_speculative_tokens=4)))
+@pytest.mark.parametrize("proposer", ["ngram", "suffix"])
+def test_inline_lookup_greedy_equals_target_only(spec, prompts, reference, proposer):
+    """Proposers ngram (prompt lookup) and suffix (priced matches) on vLLM: made by the proposer in vLLM's
+    step, no drafter at all."""
+    outputs, counters, stats = _run(spec, prompts, drafter_spec(EngineConfig(proposer=proposer, num_speculative_tokens=4)))
     assert outputs == reference
     assert stats["drafter"] == "none" and stats.get("sessions", 0) == 0 and stats.get("hits", 0) == 0
     assert stats["matched_rows"] > 0 and stats["matched_tokens"] <= 4 * stats["matched_rows"]
     assert 0 < counters["draft_tokens"] <= stats["matched_tokens"]
     assert 0 < counters["accepted_tokens"] < counters["draft_tokens"]
+    if proposer == "suffix":  # every verdict reached the priced table
+        assert 0 < stats["inline_verdicts"] <= stats["matched_rows"]
+        assert stats["inline_verdict_accepted"] == counters["accepted_tokens"]
 
 
 def test_hybrid_long_matches_inline_and_the_drafter_for_the_rest(spec, prompts, reference):
@@ -388,7 +393,8 @@ def test_sampled_speculative_output_has_the_target_distribution(spec, path):
     assert p_value > 1e-3, p_value
 
 
-def test_sampled_inline_lookup_has_the_target_distribution(spec, path):
+@pytest.mark.parametrize("proposer", ["ngram", "suffix"])
+def test_sampled_inline_lookup_has_the_target_distribution(spec, path, proposer):
     """Prompt lookup made in vLLM's step drafts token 2 from the prompt's own earlier text (most likely
     first tokens are in the prompt's list, each followed there by a comma): chi-square of tokens 1 and 2
     against transformers' fp32 p(t1)·p(t2|t1)."""
@@ -397,7 +403,10 @@ def test_sampled_inline_lookup_has_the_target_distribution(spec, path):
                                       "grey, brown. My favourite colour is", False)
     top_k, n = 6, 500
     expected, _ = _expected_pairs(path, prompt, top_k)
-    spec.configure(drafter_spec(EngineConfig(proposer="ngram", num_speculative_tokens=1)).tuned(wait_s=5.0))
+    drafts = drafter_spec(EngineConfig(proposer=proposer, num_speculative_tokens=1)).tuned(wait_s=5.0)
+    if proposer == "suffix":  # the 500 requests share steps: unpriced per row, or a full step would draft nothing
+        drafts = drafts.tuned(matches=drafts.matches.model_copy(update={"per_row": 0.0}))
+    spec.configure(drafts)
     before = spec.spec_metrics()
     pairs = _sample_pairs(spec, prompt, n, top_k)
     after = spec.spec_metrics()
@@ -531,7 +540,34 @@ def test_inline_matches_are_drafted_in_the_step():
     assert not proposer.sessions["a"].started  # matched only so far: the drafter has not been asked
 
 
+def test_priced_inline_matches_learn_from_vllms_verdicts():
+    """Proposer suffix on vLLM: the priced match is drafted in the step, and the next step's committed
+    tokens (accepted drafts + 1) are its verdict, learned per match length; a fuller step prices higher."""
+    proposer = TandemProposer(None)
+    proposer.k = 8
+    proposer.configure(DrafterSpec(matches=InlineMatches(kind="priced", max_tokens=8, max_match=8)), _Runner(["a"]), 0)
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]  # "1 2 3": a 3-token match
+    ids = np.zeros((1, 24), dtype=np.int64)
+    ids[0, :12] = history
+    draft = proposer.propose([[3]], np.array([12]), ids)[0]
+    assert draft and draft == [4, 5, 6, 7, 8, 9, 1, 2][:len(draft)] and proposer.stats["matched_rows"] == 1
+    q = proposer._match.priced.q(3, 0)
+    ids[0, 12] = 4  # vLLM rejected the first draft token: one token committed (the recovered one)
+    proposer.propose([[4]], np.array([13]), ids)
+    assert proposer._match.priced.q(3, 0) < q and proposer.stats["inline_verdicts"] == 1
+    assert proposer.stats["inline_verdict_accepted"] == 0
+    proposer.configure(DrafterSpec(matches=InlineMatches(kind="priced", max_tokens=8, max_match=8)),
+                       _Runner([f"r{i}" for i in range(16)]), 0)
+    many = np.zeros((16, 24), dtype=np.int64)
+    many[:, :12] = history
+    wide = proposer.propose([[3]] * 16, np.array([12] * 16), many)
+    assert len(wide[0]) < len(draft)  # 16 rows: each verified token costs more
+
+
 def test_inline_matches_of_a_tandem_config():
+    suffix = EngineConfig(proposer="suffix", num_speculative_tokens=3, match_tokens=16)
+    assert inline_matches(suffix) == InlineMatches(kind="priced", max_tokens=16)
+    assert engine_draft_tokens(suffix) == 16 and not drafter_spec(suffix).has_drafter
     assert inline_matches(EngineConfig(proposer="ngram", num_speculative_tokens=5, max_ngram=4)) == \
         InlineMatches(kind="lookup", max_tokens=5, max_ngram=4)
     hybrid = EngineConfig(proposer="hybrid", num_speculative_tokens=3, match_tokens=16)

@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--distributed", action="store_true",
                        help="target-only vs sequential vs pipelined through Ray + gRPC (workload humaneval unless set)")
     bench.add_argument("--proposer", default="draft",
-                       help="with --distributed or --engine vllm: draft | ngram | hybrid (tandem's drafter)")
+                       help="with --distributed or --engine vllm: draft | ngram | suffix | hybrid (tandem's drafter)")
     bench.add_argument("--modes", default="",
                        help="with --distributed: optional modes besides target_only, sequential, pipelined and "
                             "pipelined_no_fill, comma-separated (sequential_tree, sequential_gamma_matches, "

@@ -215,7 +215,7 @@ def vllm_argv(model_dir: str, port: int, dtype: str, max_model_len: int, spec: d
 
 
 TANDEM_ENGINES = ("auto", "torch", "vllm")
-TANDEM_PROPOSERS = ("draft", "ngram", "hybrid", "none")
+TANDEM_PROPOSERS = ("draft", "ngram", "suffix", "hybrid", "none")
 
 
 def split_bind(name: str, default: str) -> tuple[str, str]:

@@ -5,9 +5,9 @@ layer above reads them, none of them imports anything of tandem but its errors."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.core.errors import ConfigError, validation_message
 
@@ -43,6 +43,10 @@ class NetworkConfig(BaseModel):
 
 
 INT8_DRAFT = "int8"
+# proposer 'auto' per target engine, by measurement (BENCHMARKS.md, "Beside vLLM's own server"): on vLLM a model
+# draft costs most of a target step (the int8 copy ~23 ms a token against vLLM's ~20-28), so the free priced
+# matches made in its step win; tandem's torch step is slower (~52 ms), and the hybrid's int8 rounds pay there
+AUTO_PROPOSERS = {"vllm": "suffix", "torch": "hybrid"}
 
 
 class EngineConfig(BaseModel):
@@ -51,7 +55,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     target: str = Field("default", description="Target model: 'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory.")
-    proposer: Literal["draft", "ngram", "hybrid", "none"] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model), 'hybrid' (a suffix match when one is long enough, else the draft model, chosen per round from each one's acceptance) or 'none' (plain target decoding).")
+    proposer: Literal["draft", "ngram", "suffix", "hybrid", "none", "auto"] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model), 'suffix' (the session's own longest suffix match, each draft as long as its tokens pay for their verification, learned from the verdicts; no model; up to max(num_speculative_tokens, match_tokens) tokens), 'hybrid' (a suffix match when one is long enough, else the draft model, chosen per round from each one's acceptance), 'none' (plain target decoding) or 'auto' (chosen with the engine, `AUTO_PROPOSERS`: 'suffix' on vLLM, whose step a model draft does not pay against, 'hybrid' on the torch runner; BENCHMARKS.md).")
     draft: str = Field(INT8_DRAFT, description="Draft model for proposers 'draft' and 'hybrid': 'int8' (int8 dynamic-quantized copy of the target), 'feature' (the feature-fed draft shipped for the default target, drafts/trained/feature-smollm2-135m: it reads the target's last hidden state, which the verifier sends), a tandem draft directory (`tandem drafts distill`) or a local model directory with the target's tokenizer.")
     num_speculative_tokens: int = Field(3, ge=0, le=32, description="Tokens drafted per round (γ); 0 is plain target decoding.")
     dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Target (and model draft) dtype; the int8 draft computes in float32.")
@@ -65,6 +69,14 @@ class EngineConfig(BaseModel):
     own_matches: bool = Field(True, description="Proposer 'hybrid' with long match rounds: the router drafts a match of the session's own suffix at least 4 tokens long itself, up to match_tokens, without calling the drafter: in sequential rounds, and in place of the plain steps the speculation policy chooses (BENCHMARKS.md).")
     network: NetworkConfig = Field(default_factory=NetworkConfig, description="The verifier's internal gRPC service: the address it binds and advertises ('node' or 'loopback') and optional TLS; calls always need the cluster secret.")
     backend: Literal["auto", "torch", "vllm"] = Field("torch", description="Target engine: 'torch' (tandem's own runner over transformers' models, the default here) or 'vllm' (vLLM owns the target and its decoding loop; tandem's drafts reach it through vLLM's custom proposer class; needs `pip install -e '.[vllm]'`); 'auto' (the served config's, `ray_config.yaml`): vLLM when it is installed and can serve the config, else torch (`deployments.config.resolve_backend`, logged).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_proposer(cls, data: Any) -> Any:
+        """proposer 'auto' becomes the engine's (`AUTO_PROPOSERS`) once the backend is torch or vllm."""
+        if isinstance(data, dict) and data.get("proposer") == "auto" and data.get("backend", "torch") in AUTO_PROPOSERS:
+            data = {**data, "proposer": AUTO_PROPOSERS[data.get("backend", "torch")]}
+        return data
 
     @classmethod
     def build(cls, **kwargs) -> "EngineConfig":

@@ -51,7 +51,7 @@ from cluster.ray.drafter import launch_drafter  # noqa: E402
 from cluster.ray.runtime import init_local_ray  # noqa: E402
 from cluster.session.speculate import GenerationResult, SpeculationStats, validate_request  # noqa: E402
 from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
-from cluster.vllm.protocol import DrafterSpec, RayDrafter, engine_draft_tokens, inline_matches  # noqa: E402
+from cluster.vllm.protocol import INLINE_ONLY, DrafterSpec, RayDrafter, engine_draft_tokens, inline_matches  # noqa: E402
 from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -258,14 +258,14 @@ class VLLMEngine:
 
 
 def drafter_spec(config: EngineConfig) -> DrafterSpec | None:
-    """The in-worker drafts for an `EngineConfig`, None for proposer 'none': proposer 'ngram' is prompt
-    lookup made by the proposer itself in vLLM's step (`InlineMatches`, no drafter); 'draft' and 'hybrid'
+    """The in-worker drafts for an `EngineConfig`, None for proposer 'none': proposers 'ngram' (prompt
+    lookup) and 'suffix' (priced matches) are made by the proposer itself in vLLM's step (`InlineMatches`, no drafter); 'draft' and 'hybrid'
     have a drafter in the worker, its torch threads vLLM's (`threads` None: it shares the worker process),
     at most γ tokens a step; the hybrid's long matches are made inline too (`inline_matches`)."""
     if config.proposer == "none" or config.num_speculative_tokens == 0:
         return None
     matches = inline_matches(config)
-    if config.proposer == "ngram":
+    if config.proposer in INLINE_ONLY:
         return DrafterSpec(matches=matches)
     return DrafterSpec(engine=config.model_copy(update={"backend": "torch", "threads": None, "device": "cpu"}),
                        matches=matches, max_k=config.num_speculative_tokens)
@@ -306,7 +306,7 @@ class VLLMDecoder:
         self.remote = None
         spec = None
         if config.proposer != "none" and config.num_speculative_tokens > 0:
-            if distributed and config.proposer != "ngram":  # prompt lookup is made in vLLM's step either way
+            if distributed and config.proposer not in INLINE_ONLY:  # free drafts are made in vLLM's step either way
                 self.remote = RemoteDrafter(config)
                 spec = self.remote.spec(config)
             else:

@@ -47,7 +47,7 @@ from cluster.vllm.client import DraftClient, make_client
 from cluster.vllm.patch import fix_rejection_sampler, fix_state
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RequestKey
 from drafts.ngram import ngram_lookup
-from drafts.suffix import OwnMatch
+from drafts.suffix import OwnMatch, PricedMatch
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class TandemProposer:
         self._deadline = 0.0
         self.sessions: dict[str, _Session] = {}
         self._drafter_part: dict | None = None
-        self._match = None  # history, limit -> draft: the inline matches of `spec.matches` (None: none)
+        self._match: _Inline | None = None  # the inline matches of `spec.matches` (None: none)
+        self._verdicts: dict[str, tuple[int, int]] = {}  # key -> (match, tokens) of the inline draft last given
         self.stats: Counter = Counter()
         self._lock = threading.Lock()
 
@@ -101,7 +102,8 @@ class TandemProposer:
             self._close()
         self.runner, self.rank, self.spec = runner, rank, spec
         self.max_k = self.k if spec.max_k is None else min(self.k, spec.max_k)
-        self._match = _matcher(spec.matches) if rank == 0 else None
+        self._match = _Inline(spec.matches) if rank == 0 and spec.matches is not None else None
+        self._verdicts.clear()
         self.stats = Counter()
         if not keep:
             self.client = make_client(spec) if rank == 0 else None
@@ -146,6 +148,7 @@ class TandemProposer:
             return [[] for _ in range(rows)]
         req_ids = self.runner.input_batch.req_ids
         self._deadline = time.monotonic() + self.spec.wait_s  # one bound for the whole step, however many rows
+        active = sum(1 for t in sampled_token_ids if t)  # the step's decoding rows (what a verified token costs)
         out: list[list[int]] = []
         for i in range(rows):
             if not sampled_token_ids[i]:  # a partial prefill or a discarded row: nothing committed
@@ -166,7 +169,17 @@ class TandemProposer:
             if s is None and drafter:
                 s = self.sessions[key] = _Session(opened=len(history) - num_new)
                 self.stats["sessions"] += 1
-            draft = self._match(history, limit) if self._match is not None else []
+            draft = []
+            if self._match is not None:
+                given = self._verdicts.pop(key, None)
+                if given is not None:  # the verdict on the inline draft given at this request's last step
+                    accepted = max(0, min(given[1], num_new - 1))
+                    self._match.learn(given[0], given[1], accepted)
+                    self.stats["inline_verdicts"] += 1
+                    self.stats["inline_verdict_accepted"] += accepted
+                draft, match = self._match.propose(history, limit, active)
+                if draft:
+                    self._verdicts[key] = (match, len(draft))
             if draft:  # drafted here: the drafter's session (if any) learns the verdict as a resync
                 self.stats["matched_rows"] += 1
                 self.stats["matched_tokens"] += len(draft)
@@ -183,6 +196,8 @@ class TandemProposer:
         live = getattr(self.runner, "requests", None)
         if live is not None:
             live = {self._key(r) for r in live}
+            for key in [k for k in self._verdicts if k not in live]:
+                del self._verdicts[key]
             for session in [s for s in self.sessions if s not in live]:  # finished or aborted
                 if self.sessions.pop(session).started and not self.spec.registered:
                     self.client.release(session)  # a registered session is released by its front door
@@ -301,14 +316,26 @@ class TandemProposer:
                         drafter=self.client.name if self.client else "none", fix=fix_state())
 
 
-def _matcher(matches: InlineMatches | None):
-    """(history, limit) -> up to `limit` inline draft tokens, for `matches` (None: no inline matches)."""
-    if matches is None:
-        return None
-    if matches.kind == "lookup":
-        return lambda history, limit: ngram_lookup(history, min(limit, matches.max_tokens), matches.max_ngram)
-    own = OwnMatch(matches.max_tokens, matches.min_match, matches.max_ngram)
-    return own.propose
+class _Inline:
+    """The inline matches of an `InlineMatches`: `propose(history, limit, rows)` -> (draft, match length),
+    `learn(match, drafted, accepted)` (only priced matches learn)."""
+
+    def __init__(self, matches: InlineMatches):
+        self.matches = matches
+        self.priced = PricedMatch(matches.max_tokens, matches.max_match, matches.max_ngram, matches.threshold,
+                                  matches.per_row) if matches.kind == "priced" else None
+        self.own = OwnMatch(matches.max_tokens, matches.min_match, matches.max_ngram) if matches.kind == "own" else None
+
+    def propose(self, history: list[int], limit: int, rows: int) -> tuple[list[int], int]:
+        if self.priced is not None:
+            return self.priced.propose(history, limit, rows)
+        if self.own is not None:
+            return self.own.propose(history, limit), 0
+        return ngram_lookup(history, min(limit, self.matches.max_tokens), self.matches.max_ngram), 0
+
+    def learn(self, match: int, drafted: int, accepted: int) -> None:
+        if self.priced is not None:
+            self.priced.learn(match, drafted, accepted)
 
 
 PROPOSER_CLASS = f"{TandemProposer.__module__}.{TandemProposer.__qualname__}"  # vLLM's `speculative_config.model`

@@ -52,14 +52,20 @@ class InlineMatches(BaseModel):
       of the last n tokens, n from `max_ngram` down to 1), up to `max_tokens`;
     - `own`: the hybrid's long match rounds (`drafts.suffix.OwnMatch`): a match of the suffix at least
       `min_match` tokens long proposes up to `max_tokens` of its continuation; without one the row goes
-      to the drafter."""
+      to the drafter;
+    - `priced`: proposer `suffix` (`drafts.suffix.PricedMatch`): the longest match's continuation, cut where
+      a further token's learned chance of acceptance falls below its verify price (`threshold`, plus
+      `per_row` for each further row of the step), up to `max_tokens`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["lookup", "own"]
+    kind: Literal["lookup", "own", "priced"]
     max_tokens: int = Field(..., ge=1, le=32)
     max_ngram: int = Field(3, ge=1, le=16)
     min_match: int = Field(4, ge=1, le=32, description="`own` only: the shortest match drafted inline.")
+    max_match: int = Field(16, ge=1, le=64, description="`priced` only: how far back a match is extended (longer ones share its table row).")
+    threshold: float = Field(0.1, gt=0, lt=1, description="`priced` only: the price of one verified token at one row, in tokens gained.")
+    per_row: float = Field(0.04, ge=0, le=1, description="`priced` only: the price's rise per further row of the step.")
 
 
 class DrafterSpec(BaseModel):
@@ -144,15 +150,20 @@ class RequestKey:
         return internal_id
 
 
+INLINE_ONLY = ("ngram", "suffix")  # proposers whose drafts are all made in vLLM's step: no drafter at all
+
+
 def inline_matches(config: EngineConfig) -> InlineMatches | None:
     """The matches vLLM's proposer drafts itself for a tandem engine config: proposer `ngram`'s prompt lookup
-    (all its drafts: no drafter at all), the hybrid's long match rounds (`own_matches`, `match_tokens` > γ;
+    and proposer `suffix`'s priced matches (all their drafts: no drafter at all), the hybrid's long match rounds (`own_matches`, `match_tokens` > γ;
     the rest of its rounds are the drafter's). None for the others."""
     gamma = config.num_speculative_tokens
     if config.proposer == "none" or gamma == 0:
         return None
     if config.proposer == "ngram":
         return InlineMatches(kind="lookup", max_tokens=gamma, max_ngram=config.max_ngram)
+    if config.proposer == "suffix":  # drafts as long as they pay, up to the long match rounds' length
+        return InlineMatches(kind="priced", max_tokens=max(gamma, config.match_tokens), max_ngram=config.max_ngram)
     own = OwnMatch.for_rounds(config.match_tokens, gamma, max_ngram=config.max_ngram) \
         if config.proposer == "hybrid" and config.own_matches else None
     if own is None:

@@ -13,7 +13,7 @@ import sys
 
 from transformers.utils import logging as hf_logging
 
-from cluster.core.config import EngineConfig
+from cluster.core.config import PROPOSERS, EngineConfig
 from cluster.core.errors import InvalidRequestError, TandemError
 from cluster.core.sampling import SamplingParams
 from cluster.model.models import encode_prompt, prepare_default_model
@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine", choices=["auto", "torch", "vllm"],
                      help="override engine.backend: vllm serves the target on vLLM verifier replicas (Ray Serve "
                           "LLM's LLMServer) with tandem's drafter (needs .[vllm]); auto: vLLM when installed")
-    srv.add_argument("--proposer", choices=["draft", "ngram", "suffix", "hybrid", "none", "auto"], help="override engine.proposer")
+    srv.add_argument("--proposer", choices=PROPOSERS, help="override engine.proposer")
     return parser
 
 

@@ -129,8 +129,8 @@ class TandemAppConfig(LoopConfig):
     @model_validator(mode="before")
     @classmethod
     def _resolve_auto(cls, data: Any) -> Any:
-        """engine.backend 'auto' becomes the engine `resolve_backend` chooses, then engine.proposer 'auto' that
-        engine's (`AUTO_PROPOSERS`); both logged."""
+        """engine.backend 'auto' becomes the engine `resolve_backend` chooses (logged); engine.proposer 'auto' then
+        becomes that engine's (`EngineConfig`, `AUTO_PROPOSERS`), logged here."""
         if not isinstance(data, dict):
             return data
         engine = data.get("engine")
@@ -144,10 +144,9 @@ class TandemAppConfig(LoopConfig):
             log.info("engine.backend auto: %s (%s)", backend, why)
             engine = {**engine, "backend": backend}
             data = {**data, "engine": engine}
-        if isinstance(engine, dict) and engine.get("proposer") == "auto" and engine.get("backend", "torch") in AUTO_PROPOSERS:
-            proposer = AUTO_PROPOSERS[engine.get("backend", "torch")]
-            log.info("engine.proposer auto: %s (on the %s engine: BENCHMARKS.md)", proposer, engine.get("backend", "torch"))
-            data = {**data, "engine": {**engine, "proposer": proposer}}
+        backend = engine.get("backend", "torch") if isinstance(engine, dict) else None
+        if backend in AUTO_PROPOSERS and engine.get("proposer") == "auto":  # EngineConfig resolves it; logged here, once
+            log.info("engine.proposer auto: %s (on the %s engine: BENCHMARKS.md)", AUTO_PROPOSERS[backend], backend)
         return data
 
     @model_validator(mode="after")

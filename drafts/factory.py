@@ -54,8 +54,7 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module | None, ta
     if config.proposer == "ngram":
         return NGramProposer(max_ngram=config.max_ngram)
     if config.proposer == "suffix":
-        return SuffixProposer(max_tokens=max(config.num_speculative_tokens, config.match_tokens),
-                              max_ngram=config.max_ngram)
+        return SuffixProposer(max_tokens=config.suffix_tokens, max_ngram=config.max_ngram)
     if config.proposer == "auto":
         raise ConfigError("proposer 'auto' is chosen with the engine: set engine.backend to torch or vllm, or serve "
                           "the config (its backend 'auto' is resolved first)")

@@ -176,7 +176,3 @@ class PricedMatch:
         for j in range(min(accepted + 1, drafted, self.max_tokens)):
             trials[j] = trials[j] * keep + 1.0
             hits[j] = hits[j] * keep + (1.0 if j < accepted else 0.0)
-
-    def table(self) -> list[list[float]]:
-        """q[m][j] for m = 1..max_match (metrics, tests)."""
-        return [[self.q(m, j) for j in range(self.max_tokens)] for m in range(1, self.max_match + 1)]

@@ -14,6 +14,8 @@ import argparse
 import json
 import os
 
+from cluster.core import workloads
+from cluster.model import models
 from drafts.ngram import ngram_lookup
 from drafts.suffix import PricedMatch
 
@@ -27,9 +29,6 @@ def references(path: str) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     from vllm import LLM, SamplingParams
-
-    from cluster.core import workloads
-    from cluster.model import models
 
     model = str(models.resolve_model_path("default"))
     tok = models.load_tokenizer(model)
@@ -50,20 +49,20 @@ def references(path: str) -> dict:
 def replay(refs: list[dict], propose, learn=None, v: float = 0.03) -> dict:
     """Each reference decoded by verify steps: `propose(history, limit)` -> (draft, match) drafts, the target's
     greedy output decides; `learn(match, drafted, accepted)` hears each verdict."""
-    tokens = cost = accepted = drafted = steps = 0
+    tokens = accepted = drafted = steps = 0
     for ref in refs:
-        history, out, pos = list(ref["prompt"]), ref["out"], 0
-        while pos < len(out):
-            draft, match = propose(history, max(0, len(out) - pos - 1))
+        history, out = list(ref["prompt"]), ref["out"]
+        while len(history) < len(ref["prompt"]) + len(out):
+            pos = len(history) - len(ref["prompt"])
+            draft, match = propose(history, len(out) - pos - 1)
             a = 0
             while a < len(draft) and draft[a] == out[pos + a]:
                 a += 1
             if learn is not None:
                 learn(match, len(draft), a)
             history.extend(out[pos:pos + a + 1])
-            pos += a + 1
-            tokens, cost, accepted, drafted, steps = tokens + a + 1, cost + 1 + v * len(draft), accepted + a, \
-                drafted + len(draft), steps + 1
+            tokens, accepted, drafted, steps = tokens + a + 1, accepted + a, drafted + len(draft), steps + 1
+    cost = steps + v * drafted  # each step 1, plus v per drafted token
     return {"tokens_per_step": tokens / max(steps, 1), "speedup": tokens / max(cost, 1e-9),
             "acceptance": accepted / max(drafted, 1)}
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from cluster import TELEMETRY_OFF
+from cluster.core.config import PROPOSERS
 
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}  # vLLM's docs' setting
 PLAIN = {"num_speculative_tokens": 0}  # tandem's plain decoding, on the same server
@@ -215,7 +216,7 @@ def vllm_argv(model_dir: str, port: int, dtype: str, max_model_len: int, spec: d
 
 
 TANDEM_ENGINES = ("auto", "torch", "vllm")
-TANDEM_PROPOSERS = ("draft", "ngram", "suffix", "hybrid", "none")
+TANDEM_PROPOSERS = tuple(p for p in PROPOSERS if p != "auto")  # a side names its proposer (plain "tandem": the config's)
 
 
 def split_bind(name: str, default: str) -> tuple[str, str]:

@@ -155,15 +155,15 @@ INLINE_ONLY = ("ngram", "suffix")  # proposers whose drafts are all made in vLLM
 
 def inline_matches(config: EngineConfig) -> InlineMatches | None:
     """The matches vLLM's proposer drafts itself for a tandem engine config: proposer `ngram`'s prompt lookup
-    and proposer `suffix`'s priced matches (all their drafts: no drafter at all), the hybrid's long match rounds (`own_matches`, `match_tokens` > γ;
-    the rest of its rounds are the drafter's). None for the others."""
+    and proposer `suffix`'s priced matches (all their drafts: no drafter at all), the hybrid's long match
+    rounds (`own_matches`, `match_tokens` > γ; the rest of its rounds are the drafter's). None for the others."""
     gamma = config.num_speculative_tokens
     if config.proposer == "none" or gamma == 0:
         return None
     if config.proposer == "ngram":
         return InlineMatches(kind="lookup", max_tokens=gamma, max_ngram=config.max_ngram)
-    if config.proposer == "suffix":  # drafts as long as they pay, up to the long match rounds' length
-        return InlineMatches(kind="priced", max_tokens=max(gamma, config.match_tokens), max_ngram=config.max_ngram)
+    if config.proposer == "suffix":
+        return InlineMatches(kind="priced", max_tokens=config.suffix_tokens, max_ngram=config.max_ngram)
     own = OwnMatch.for_rounds(config.match_tokens, gamma, max_ngram=config.max_ngram) \
         if config.proposer == "hybrid" and config.own_matches else None
     if own is None:

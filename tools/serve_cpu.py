@@ -7,6 +7,10 @@ Sends `requests` greedy streaming chat requests (the peer chat prompts), `stream
 warm-up request, and reads every process's CPU time (`/proc/PID/stat`, user + system) before and after:
 the table is each process's CPU per generated token (from the server's `usage`), heaviest first, with
 the wall time per token. Linux only; it sees every process on the machine, so run it on a quiet one.
+
+`--idle SECONDS` first reads the same counters across SECONDS in which nothing is sent: what each process
+spends with no request in flight (timers, health checks, metrics pushes), in percent of one core. On a
+machine whose cores the engine's spinning threads fill, that is CPU taken from the engine.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import httpx
 from cluster.core.workloads import PEER_CHAT_PROMPTS
 
 
-def cpu_seconds() -> dict[str, float]:
-    """Every process's CPU seconds so far, keyed by "pid command line"."""
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's (command line, CPU seconds so far), keyed by pid. A Ray worker's command line changes
+    with the method it runs (`ray::ProxyActor.receive_asgi_messages`), so readings are matched by pid."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -36,8 +41,19 @@ def cpu_seconds() -> dict[str, float]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        out[f"{pid} {name}"] = (int(fields[11]) + int(fields[12])) / tick
+        out[int(pid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return out
+
+
+def spent_between(before: dict, after: dict) -> collections.Counter:
+    """CPU seconds each process spent between two readings, keyed by "pid command line" (the later one's);
+    a process started between them counts from zero."""
+    spent = collections.Counter()
+    for pid, (name, seconds) in after.items():
+        delta = seconds - before.get(pid, (name, 0.0))[1]
+        if delta > 0:
+            spent[f"{pid} {name}"] = delta
+    return spent
 
 
 def stream_tokens(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> int:
@@ -62,9 +78,18 @@ def measure(url: str, model: str, requests: int, max_tokens: int, streams: int) 
     with ThreadPoolExecutor(streams) as pool:
         tokens = sum(pool.map(lambda p: stream_tokens(client, url, model, p, max_tokens), prompts))
     wall, after = time.perf_counter() - start, cpu_seconds()
-    spent = collections.Counter({k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)})
+    spent = spent_between(before, after)
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "cpu_ms_per_token": {k: 1e3 * v / tokens for k, v in spent.most_common()}}
+
+
+def idle(seconds: float) -> dict:
+    """Each process's CPU while nothing is sent, in percent of one core, heaviest first."""
+    before, start = cpu_seconds(), time.perf_counter()
+    time.sleep(seconds)
+    wall, after = time.perf_counter() - start, cpu_seconds()
+    spent = spent_between(before, after)
+    return {"wall_s": wall, "percent_of_a_core": {k: 100 * v / wall for k, v in spent.most_common()}}
 
 
 def main(argv=None) -> int:
@@ -75,7 +100,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--top", type=int, default=10, help="processes shown")
+    parser.add_argument("--idle", type=float, default=0.0, help="seconds of idle CPU measured first (0: none)")
     args = parser.parse_args(argv)
+    if args.idle > 0:
+        quiet = idle(args.idle)
+        print(f"idle, {quiet['wall_s']:.0f} s with nothing sent:")
+        for name, pct in list(quiet["percent_of_a_core"].items())[:args.top]:
+            print(f"{pct:8.2f} % of a core  {name}")
+        print(f"{sum(quiet['percent_of_a_core'].values()):8.2f} % of a core in all")
     report = measure(args.url, args.model, args.requests, args.max_tokens, args.streams)
     print(f"{report['tokens']} tokens in {report['wall_s']:.1f} s: {report['tokens_per_s']:.1f} tok/s, "
           f"{1e3 / report['tokens_per_s']:.1f} ms a token (wall)")

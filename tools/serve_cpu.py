@@ -50,10 +50,17 @@ def spent_between(before: dict, after: dict) -> collections.Counter:
     a process started between them counts from zero."""
     spent = collections.Counter()
     for pid, (name, seconds) in after.items():
-        delta = seconds - before.get(pid, (name, 0.0))[1]
+        delta = seconds - (before[pid][1] if pid in before else 0.0)
         if delta > 0:
             spent[f"{pid} {name}"] = delta
     return spent
+
+
+def spent_around(work) -> tuple[float, object, collections.Counter]:
+    """(wall seconds, what `work()` returned, CPU seconds each process spent meanwhile)."""
+    before, start = cpu_seconds(), time.perf_counter()
+    result = work()
+    return time.perf_counter() - start, result, spent_between(before, cpu_seconds())
 
 
 def stream_tokens(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> int:
@@ -74,21 +81,16 @@ def measure(url: str, model: str, requests: int, max_tokens: int, streams: int) 
     client = httpx.Client(timeout=httpx.Timeout(900.0, connect=10.0))
     stream_tokens(client, url, model, PEER_CHAT_PROMPTS[0], 8)  # warm-up
     prompts = [PEER_CHAT_PROMPTS[i % len(PEER_CHAT_PROMPTS)] for i in range(requests)]
-    before, start = cpu_seconds(), time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        tokens = sum(pool.map(lambda p: stream_tokens(client, url, model, p, max_tokens), prompts))
-    wall, after = time.perf_counter() - start, cpu_seconds()
-    spent = spent_between(before, after)
+        wall, tokens, spent = spent_around(
+            lambda: sum(pool.map(lambda p: stream_tokens(client, url, model, p, max_tokens), prompts)))
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "cpu_ms_per_token": {k: 1e3 * v / tokens for k, v in spent.most_common()}}
 
 
 def idle(seconds: float) -> dict:
     """Each process's CPU while nothing is sent, in percent of one core, heaviest first."""
-    before, start = cpu_seconds(), time.perf_counter()
-    time.sleep(seconds)
-    wall, after = time.perf_counter() - start, cpu_seconds()
-    spent = spent_between(before, after)
+    wall, _, spent = spent_around(lambda: time.sleep(seconds))
     return {"wall_s": wall, "percent_of_a_core": {k: 100 * v / wall for k, v in spent.most_common()}}
 
 

@@ -260,8 +260,9 @@ class VLLMEngine:
 def drafter_spec(config: EngineConfig) -> DrafterSpec | None:
     """The in-worker drafts for an `EngineConfig`, None for proposer 'none': proposers 'ngram' (prompt
     lookup) and 'suffix' (priced matches) are made by the proposer itself in vLLM's step (`InlineMatches`,
-    no drafter); 'draft' and 'hybrid' have a drafter in the worker, its torch threads vLLM's (`threads` None: it shares the worker process),
-    at most γ tokens a step; the hybrid's long matches are made inline too (`inline_matches`)."""
+    no drafter); 'draft' and 'hybrid' have a drafter in the worker, its torch threads vLLM's (`threads` None:
+    it shares the worker process), at most γ tokens a step; the hybrid's long matches are made inline too
+    (`inline_matches`)."""
     if config.proposer == "none" or config.num_speculative_tokens == 0:
         return None
     matches = inline_matches(config)

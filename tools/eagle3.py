@@ -101,17 +101,18 @@ def ttt_forward(target, draft: Eagle3Draft, ids: torch.Tensor, steps: int):
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
         p = torch.softmax(out.logits[:, 1:, :].float()[..., draft.d2t], -1)  # renormalised over the draft vocabulary
-    u0 = draft.fused(out.hidden_states)[:, :-1]  # [B, n, H]
-    n, tokens = u0.shape[1], ids[:, 1:]
-    inputs, logits = [u0], []
+    from transformers import DynamicCache
+
+    u = draft.fused(out.hidden_states)[:, :-1]  # [B, n, H]
+    n, tokens = u.shape[1], ids[:, 1:]
+    pos, cache, logits = torch.arange(n)[None], DynamicCache(), []
     for j in range(steps):
-        allowed = ttt_mask(n, j)
-        mask = additive_mask(allowed, u0.dtype)
-        pos = torch.arange(n).repeat(j + 1)[None]
-        g, _ = draft(torch.cat(inputs, 1), tokens.repeat(1, j + 1), pos=pos, mask=mask[None, None])
-        g = g[:, j * n:]  # [B, n, H]: this step's entries
+        # step j's n entries attend to the cached keys of steps 0..j-1 (their inputs never change, so
+        # neither do their keys) and to their own: ttt_mask's rows for step j
+        mask = additive_mask(ttt_mask(n, j)[j * n:], u.dtype)
+        g, _ = draft(u, tokens, past=cache, pos=pos, mask=mask[None, None])  # [B, n, H]
         logits.append(draft.logits(g))
-        inputs.append(torch.cat([g[:, :1], g[:, :-1]], 1))  # entry t of the next step reads g at t - 1
+        u = torch.cat([g[:, :1], g[:, :-1]], 1)  # entry t of the next step reads g at t - 1
     return p, logits
 
 

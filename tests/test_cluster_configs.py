@@ -123,3 +123,23 @@ def test_auto_backend_is_chosen_deterministically_and_logged(monkeypatch, caplog
         assert auto.engine.proposer == ("suffix" if installed else "hybrid")
         assert f"engine.proposer auto: {auto.engine.proposer}" in caplog.text
     assert TandemAppConfig.build({"engine": {"backend": "torch"}}).engine.backend == "torch"  # explicit stays
+
+
+def test_every_node_runs_serve_as_a_local_start_does():
+    """Serve's settings (`SERVE_THROUGHPUT_ENV`: its throughput mode) are read by each process when it imports
+    Serve, so each node must carry them: every KubeRay container and every launcher `ray start`."""
+    from cluster.ray.runtime import SERVE_THROUGHPUT_ENV
+
+    spec = yaml.safe_load(RAYSERVICE.read_text())["spec"]["rayClusterConfig"]
+    templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    containers = [c for t in templates for c in t["spec"]["containers"]]
+    assert len(containers) == 1 + len(spec["workerGroupSpecs"])
+    for container in containers:
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert {k: env.get(k) for k in SERVE_THROUGHPUT_ENV} == SERVE_THROUGHPUT_ENV, container["name"]
+    launcher = yaml.safe_load(LAUNCHER.read_text())
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in launcher[key]
+              if "ray start" in c]
+    assert len(starts) == 2
+    for command in starts:
+        assert all(f"{k}={v} " in command for k, v in SERVE_THROUGHPUT_ENV.items()), command

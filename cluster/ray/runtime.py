@@ -79,18 +79,23 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
     # otherwise put the node on the machine's own address (Ray resolves 127.0.0.1 to it)
     ray_constants.ENABLE_RAY_CLUSTER = False
     # CPUs are logical here: actors are mostly waiting, and each pins its own torch threads.
-    env = {**LOOPBACK_ONLY_ENV, **SERVE_TRANSPORT_ENV}
+    env = {**LOOPBACK_ONLY_ENV, **SERVE_THROUGHPUT_ENV}
     with environment(env):  # what Ray's processes (started here) inherit
         ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
                  include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", **env}})
 
 
-# Serve's handles (ingress -> router / vLLM replica) and its proxy reach replicas over gRPC, each replica's
-# own inter-deployment server, instead of Ray actor calls and the object store: measured here at 16
-# streams, 342 against 258 tokens/s through `tandem serve` (BENCHMARKS.md, "Where a streamed token's CPU
-# goes"). Serve's own setting (`RAY_SERVE_USE_GRPC_BY_DEFAULT`), read when each process imports Serve.
-SERVE_TRANSPORT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+# Ray Serve's throughput-optimized mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED`, Serve's own documented setting, read
+# when each process imports Serve): handles and proxy reach replicas over gRPC instead of Ray actor calls and the
+# object store, user code and the handles' router on the replica's own event loop (no hop between threads per
+# streamed chunk), request-path logs buffered, the garbage collector frozen after start-up. Measured through
+# `tandem serve` at one stream, side by side: 23-30 ms a token against 28-34 without it (vLLM alone 22-25);
+# BENCHMARKS.md, "Serve's throughput mode". Two of its parts are left as they were: direct ingress (each
+# ingress replica would bind ports of its own, past the proxy and its configured address) and replica logs on
+# stderr (errors stay visible in the console; measured no slower).
+SERVE_THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+                        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_LOG_TO_STDERR": "1"}
 
 
 # A single-machine Ray's processes reach nothing but loopback. Ray's dashboard asks the cloud metadata

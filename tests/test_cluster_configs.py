@@ -143,3 +143,13 @@ def test_every_node_runs_serve_as_a_local_start_does():
     assert len(starts) == 2
     for command in starts:
         assert all(f"{k}={v} " in command for k, v in SERVE_THROUGHPUT_ENV.items()), command
+
+
+def test_an_operators_serve_setting_is_kept(monkeypatch):
+    from cluster.ray.runtime import SERVE_THROUGHPUT_ENV, serve_environment
+
+    for key in SERVE_THROUGHPUT_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert serve_environment() == SERVE_THROUGHPUT_ENV
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")
+    assert serve_environment() == {**SERVE_THROUGHPUT_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}

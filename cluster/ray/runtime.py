@@ -79,7 +79,7 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
     # otherwise put the node on the machine's own address (Ray resolves 127.0.0.1 to it)
     ray_constants.ENABLE_RAY_CLUSTER = False
     # CPUs are logical here: actors are mostly waiting, and each pins its own torch threads.
-    env = {**LOOPBACK_ONLY_ENV, **SERVE_THROUGHPUT_ENV}
+    env = {**LOOPBACK_ONLY_ENV, **serve_environment()}
     with environment(env):  # what Ray's processes (started here) inherit
         ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
                  include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
@@ -88,14 +88,23 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
 
 # Ray Serve's throughput-optimized mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED`, Serve's own documented setting, read
 # when each process imports Serve): handles and proxy reach replicas over gRPC instead of Ray actor calls and the
-# object store, user code and the handles' router on the replica's own event loop (no hop between threads per
-# streamed chunk), request-path logs buffered, the garbage collector frozen after start-up. Measured through
+# object store, user code on the replica's own event loop (no hop between threads per streamed chunk),
+# request-path logs buffered, the garbage collector frozen after start-up. Measured through
 # `tandem serve` at one stream, side by side: 23-30 ms a token against 28-34 without it (vLLM alone 22-25);
-# BENCHMARKS.md, "Serve's throughput mode". Two of its parts are left as they were: direct ingress (each
-# ingress replica would bind ports of its own, past the proxy and its configured address) and replica logs on
-# stderr (errors stay visible in the console; measured no slower).
+# BENCHMARKS.md, "Serve's throughput mode". Three of its parts are left as they were: direct ingress (each
+# ingress replica would bind ports of its own, past the proxy and its configured address), replica logs on
+# stderr (errors stay visible in the console; measured no slower) and the handles' router in a loop of its own
+# (the torch router's sessions lease from the pools in worker threads, outside any event loop, which a handle
+# routed on the replica's loop refuses). A value already in the environment is kept
+# (`RAY_SERVE_THROUGHPUT_OPTIMIZED=0 tandem serve`: Serve as it was).
 SERVE_THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-                        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_LOG_TO_STDERR": "1"}
+                        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_LOG_TO_STDERR": "1",
+                        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+
+
+def serve_environment() -> dict[str, str]:
+    """`SERVE_THROUGHPUT_ENV`, with any of its variables already set in this process's environment kept."""
+    return {k: os.environ.get(k, v) for k, v in SERVE_THROUGHPUT_ENV.items()}
 
 
 # A single-machine Ray's processes reach nothing but loopback. Ray's dashboard asks the cloud metadata

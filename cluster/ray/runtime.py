@@ -90,7 +90,7 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
 # when each process imports Serve): handles and proxy reach replicas over gRPC instead of Ray actor calls and the
 # object store, user code on the replica's own event loop (no hop between threads per streamed chunk),
 # request-path logs buffered, the garbage collector frozen after start-up. Measured through
-# `tandem serve` at one stream, side by side: 23-30 ms a token against 28-34 without it (vLLM alone 22-25);
+# `tandem serve` at one stream, side by side: 26-27 ms a token against 33 without it (vLLM alone 20);
 # BENCHMARKS.md, "Serve's throughput mode". Three of its parts are left as they were: direct ingress (each
 # ingress replica would bind ports of its own, past the proxy and its configured address), replica logs on
 # stderr (errors stay visible in the console; measured no slower) and the handles' router in a loop of its own

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from cluster.core.tree import additive_mask
 from cluster.model import models
@@ -101,8 +102,6 @@ def ttt_forward(target, draft: Eagle3Draft, ids: torch.Tensor, steps: int):
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
         p = torch.softmax(out.logits[:, 1:, :].float()[..., draft.d2t], -1)  # renormalised over the draft vocabulary
-    from transformers import DynamicCache
-
     u = draft.fused(out.hidden_states)[:, :-1]  # [B, n, H]
     n, tokens = u.shape[1], ids[:, 1:]
     pos, cache, logits = torch.arange(n)[None], DynamicCache(), []

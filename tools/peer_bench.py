@@ -170,6 +170,8 @@ def same_outputs(records: list[Record], reference: str) -> dict[str, float]:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, name: str) -> str:
+    """The served model's id, once a one-token completion is answered: tandem's `/v1/models` answers before
+    its verifier replica is up, so the model list alone does not say the server can decode."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -177,7 +179,11 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, name: str) -
         try:
             models = httpx.get(f"{url}/v1/models", timeout=2.0)
             if models.status_code == 200:
-                return models.json()["data"][0]["id"]
+                model = models.json()["data"][0]["id"]
+                probe = httpx.post(f"{url}/v1/completions", timeout=max(1.0, deadline - time.time()),
+                                   json={"model": model, "prompt": "hi", "max_tokens": 1})
+                if probe.status_code == 200:
+                    return model
         except httpx.HTTPError:
             pass
         time.sleep(1.0)
@@ -252,26 +258,35 @@ def tandem_argv(config: str, port: int, grpc_port: int, flags: Sequence[str] = (
             "--grpc-port", str(grpc_port), *flags]
 
 
+def server_env(vllm_bind: str = "auto") -> dict[str, str]:
+    """What each server process gets: loopback, offline, the same KV space and OMP binding for every vLLM engine
+    (tandem's Ray workers inherit it)."""
+    return {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+            "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_CPU_OMP_THREADS_BIND": vllm_bind, **TELEMETRY_OFF}
+
+
+def server_argv(name: str, model_dir: str, config: str, dtype: str, max_model_len: int, port: int) -> list[str]:
+    """The command line of the server `name` (vllm, vllm_ngram, tandem[_ENGINE][_PROPOSER]) on `port` (tandem's
+    gRPC on port + 1)."""
+    if name in ("vllm", "vllm_ngram"):
+        return vllm_argv(model_dir, port, dtype, max_model_len, NGRAM_SPEC if name == "vllm_ngram" else None)
+    return tandem_argv(config, port, port + 1, tandem_flags(name))  # the config, engine / proposer maybe replaced
+
+
 def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, base_port: int, log_dir: str,
                   which: tuple[str, ...], vllm_bind: str = "auto") -> tuple[list[Process], list[Server]]:
     """Start the servers `which` names (vllm, vllm_ngram, tandem, tandem_vllm; each optionally @BIND, its
     own VLLM_CPU_OMP_THREADS_BIND instead of `vllm_bind`): their processes, and the sides of the comparison
     (each speculative tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
-    base_env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_CPU_OMP_THREADS_BIND": vllm_bind, **TELEMETRY_OFF}  # every vLLM engine alike (tandem's Ray workers inherit it)
     procs, servers = [], []
     try:
         for i, side in enumerate(which):
             name, bind = split_bind(side, vllm_bind)
-            env = {**base_env, "VLLM_CPU_OMP_THREADS_BIND": bind}
             port = base_port + 10 * i
             url = f"http://127.0.0.1:{port}"
-            if name in ("vllm", "vllm_ngram"):
-                argv = vllm_argv(model_dir, port, dtype, max_model_len, NGRAM_SPEC if name == "vllm_ngram" else None)
-            else:  # tandem, or the same config with its engine and/or proposer replaced (tandem_vllm_ngram)
-                argv = tandem_argv(config, port, port + 1, tandem_flags(name))
-            proc = Process(side, argv, url, env, os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
+            argv = server_argv(name, model_dir, config, dtype, max_model_len, port)
+            proc = Process(side, argv, url, server_env(bind), os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
             procs.append(proc)
             servers.append(Server(side, url, proc.model))
             if name.startswith("tandem") and not name.endswith("_none"):

@@ -11,6 +11,13 @@ the wall time per token. Linux only; it sees every process on the machine, so ru
 `--idle SECONDS` first reads the same counters across SECONDS in which nothing is sent: what each process
 spends with no request in flight (timers, health checks, metrics pushes), in percent of one core. On a
 machine whose cores the engine's spinning threads fill, that is CPU taken from the engine.
+
+`--ab OUT_DIR RUN...` starts each server in turn, alone (the peer bench's servers: `vllm`,
+`tandem_vllm_none`, ...; `RUN:VAR=VALUE,...` adds environment variables), waits until it decodes, then reads
+10 s idle, one stream (12 x 128 tokens) and 16 streams (48 x 64), and stops it; each run's table goes to
+OUT_DIR/N-RUN.txt, its server's log beside it (BENCHMARKS.md, "Serve's throughput mode"):
+
+    python -m tools.serve_cpu --ab /tmp/ab vllm tandem_vllm_none:RAY_SERVE_THROUGHPUT_OPTIMIZED=0 tandem_vllm_none
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from cluster.core.workloads import PEER_CHAT_PROMPTS
+from cluster.model import models
+from tools.peer_bench import Process, server_argv, server_env
 
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -94,6 +103,43 @@ def idle(seconds: float) -> dict:
     return {"wall_s": wall, "percent_of_a_core": {k: 100 * v / wall for k, v in spent.most_common()}}
 
 
+def format_idle(quiet: dict, top: int) -> str:
+    lines = [f"idle, {quiet['wall_s']:.0f} s with nothing sent:"]
+    lines += [f"{pct:8.2f} % of a core  {name}" for name, pct in list(quiet["percent_of_a_core"].items())[:top]]
+    return "\n".join(lines + [f"{sum(quiet['percent_of_a_core'].values()):8.2f} % of a core in all"])
+
+
+def format_load(report: dict, top: int) -> str:
+    lines = [f"{report['tokens']} tokens in {report['wall_s']:.1f} s: {report['tokens_per_s']:.1f} tok/s, "
+             f"{1e3 / report['tokens_per_s']:.1f} ms a token (wall)"]
+    lines += [f"{ms:8.2f} ms CPU/token  {name}" for name, ms in list(report["cpu_ms_per_token"].items())[:top]]
+    return "\n".join(lines + [f"{sum(report['cpu_ms_per_token'].values()):8.2f} ms CPU/token in all"])
+
+
+def ab(out_dir: str, runs: list[str], config: str, bind: str, port: int = 8300, top: int = 10) -> None:
+    """Each of `runs` started alone, read (idle, one stream, 16 streams) and stopped; see the module docstring."""
+    model_dir = str(models.resolve_model_path("default"))
+    os.makedirs(out_dir, exist_ok=True)
+    for n, run in enumerate(runs, 1):
+        name, _, extra = run.partition(":")
+        env = {**server_env(bind), **dict(kv.split("=", 1) for kv in extra.split(",") if kv)}
+        tag = f"{n}-{run}".replace(":", "-").replace(",", "-")
+        server = Process(run, server_argv(name, model_dir, config, "bfloat16", 2048, port), f"http://127.0.0.1:{port}",
+                         env, os.path.join(out_dir, f"{tag}.log"))
+        try:
+            time.sleep(10)  # the start's own work settles
+            quiet = idle(10)
+            one = measure(server.url, server.model, 12, 128, 1)
+            many = measure(server.url, server.model, 48, 64, 16)
+            text = "\n".join([format_idle(quiet, top), format_load(one, top), format_load(many, top)])
+        finally:
+            server.stop()
+        with open(os.path.join(out_dir, f"{tag}.txt"), "w") as f:
+            f.write(text + "\n")
+        print(f"{tag}: {1e3 / one['tokens_per_s']:.1f} ms a token at one stream, {many['tokens_per_s']:.0f} tokens/s "
+              f"at 16 streams", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
@@ -103,19 +149,19 @@ def main(argv=None) -> int:
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--top", type=int, default=10, help="processes shown")
     parser.add_argument("--idle", type=float, default=0.0, help="seconds of idle CPU measured first (0: none)")
+    parser.add_argument("--ab", nargs="+", metavar=("OUT_DIR", "RUN"), help="start, read and stop each server in turn")
+    parser.add_argument("--config", default="ray_config.yaml", help="with --ab: tandem's Serve config")
+    parser.add_argument("--bind", default="0-1", help="with --ab: VLLM_CPU_OMP_THREADS_BIND of every vLLM engine")
     args = parser.parse_args(argv)
+    if args.ab:
+        if len(args.ab) < 2:
+            parser.error("--ab needs OUT_DIR and at least one RUN")
+        ab(args.ab[0], args.ab[1:], args.config, args.bind, top=args.top)
+        return 0
     if args.idle > 0:
-        quiet = idle(args.idle)
-        print(f"idle, {quiet['wall_s']:.0f} s with nothing sent:")
-        for name, pct in list(quiet["percent_of_a_core"].items())[:args.top]:
-            print(f"{pct:8.2f} % of a core  {name}")
-        print(f"{sum(quiet['percent_of_a_core'].values()):8.2f} % of a core in all")
+        print(format_idle(idle(args.idle), args.top))
     report = measure(args.url, args.model, args.requests, args.max_tokens, args.streams)
-    print(f"{report['tokens']} tokens in {report['wall_s']:.1f} s: {report['tokens_per_s']:.1f} tok/s, "
-          f"{1e3 / report['tokens_per_s']:.1f} ms a token (wall)")
-    for name, ms in list(report["cpu_ms_per_token"].items())[:args.top]:
-        print(f"{ms:8.2f} ms CPU/token  {name}")
-    print(f"{sum(report['cpu_ms_per_token'].values()):8.2f} ms CPU/token in all")
+    print(format_load(report, args.top))
     return 0
 
 

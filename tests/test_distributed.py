@@ -50,7 +50,8 @@ def start(ray_local, **kwargs) -> TandemCluster:
 
 @pytest.fixture(scope="module")
 def pipelined(ray_local):
-    cluster = start(ray_local, pipeline_depth=2, num_verifier_replicas=2)
+    # every bubble filled (fill_min_redraft 0): at the default whether one is depends on the machine's timing
+    cluster = start(ray_local, pipeline_depth=2, num_verifier_replicas=2, fill_min_redraft=0.0)
     yield cluster
     cluster.shutdown()
 

@@ -125,8 +125,10 @@ def test_stop_strings_end_the_text(target_runner, tokenizer, prompt_ids, referen
     assert stop in tokenizer.decode(result.token_ids) and stop not in tokenizer.decode(result.token_ids[:-1])
 
 
+# The real draft fills every bubble (0.0): at the default 0.5 whether a fill happens depends on the draft's
+# measured cost against the verifier's, i.e. on the machine's timing (CI once saw one fill in 110 rounds).
 @pytest.mark.parametrize("kind,overlap,fill_min_redraft", [
-    ("draft", True, 0.5), ("always-right", False, 0.5), ("always-wrong", False, 0.0), ("always-wrong", False, 0.5),
+    ("draft", True, 0.0), ("always-right", False, 0.5), ("always-wrong", False, 0.0), ("always-wrong", False, 0.5),
     ("ngram", False, 0.5)])
 def test_pipelined_loop_greedy_equals_transformers(kind, overlap, fill_min_redraft, target_runner, draft_runner,
                                                    tokenizer, prompt_ids, references):

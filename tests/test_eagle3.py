@@ -52,24 +52,55 @@ class _Tok:
     eos_token_id = 0
 
 
-def _dataset(folder, target, n: int = 24, length: int = 20, prompt: int = 4) -> None:
+def _dataset(folder, target, n: int = 24, length: int = 20, prompt: int = 4, shards: int = 1) -> None:
     """Samples whose answers are the tiny target's own greedy continuations (a learnable, on-policy set)."""
     g = torch.Generator().manual_seed(3)
-    samples = []
-    with torch.no_grad():
-        for _ in range(n):
-            start = torch.randint(1, 16, (1, prompt), generator=g)
-            samples.append(target.generate(start, max_new_tokens=length - prompt, do_sample=False)[0].tolist())
-    tokens = np.array([t for s in samples for t in s], dtype=np.uint16)
-    offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
-    shard = ShardData(tokens, offsets, np.full(n, prompt, np.int32), np.arange(n, dtype=np.int64),
-                      np.array(["magpie"] * n), np.array(["magpie"] * n), np.ones(n, bool), np.ones(n, bool),
-                      np.zeros(n, np.int64), np.array(["length"] * n), np.array(["p"] * n))
-    sha = write_shard(folder / "shard-000000.npz", shard)
-    Manifest({"seed": 0}, [ShardRecord(0, "shard-000000.npz", n, n * (length - prompt), n * prompt, sha, {}, {},
-                                       "test", 1.0, n * length)]).save(folder)
+    records = []
+    for index in range(shards):
+        samples = []
+        with torch.no_grad():
+            for _ in range(n):
+                start = torch.randint(1, 16, (1, prompt), generator=g)
+                samples.append(target.generate(start, max_new_tokens=length - prompt, do_sample=False)[0].tolist())
+        tokens = np.array([t for s in samples for t in s], dtype=np.uint16)
+        offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
+        shard = ShardData(tokens, offsets, np.full(n, prompt, np.int32), np.arange(n, dtype=np.int64),
+                          np.array(["magpie"] * n), np.array(["magpie"] * n), np.ones(n, bool), np.ones(n, bool),
+                          np.zeros(n, np.int64), np.array(["length"] * n), np.array(["p"] * n))
+        name = f"shard-{index:06d}.npz"
+        sha = write_shard(folder / name, shard)
+        records.append(ShardRecord(index, name, n, n * (length - prompt), n * prompt, sha, {}, {}, "test", 1.0,
+                                   n * length))
+    Manifest({"seed": 0}, records).save(folder)
 
 
+def test_a_resumed_run_adds_the_shards_finished_since_and_keeps_its_vocabulary(tmp_path):
+    """Data generation goes on between sessions: a resumed run trains on the new shards too (the draft's
+    vocabulary stays the checkpoint's); `freeze_data` keeps the shards it had."""
+    target = tiny_llama(0, vocab_size=16)
+    data = tmp_path / "data"
+    data.mkdir()
+    _dataset(data, target, shards=1)
+    sets = {"held_out": [(4, [5, 3, 9, 2, 7, 1, 4, 8])]}
+    config = Eagle3Config(data=str(data), ttt_steps=2, seq_len=20, batch_size=8, vocab_size=12, steps=4,
+                          eval_every=2, context=4)
+    # a session's time runs out before its first step: the checkpoint holds step 0 on one shard
+    first = train(target, _Tok(), tmp_path / "a", Eagle3Config(**{**config.__dict__, "max_minutes": 1e-9}),
+                  eval_sets=sets)
+    frozen_dir = tmp_path / "frozen"
+    frozen_dir.mkdir()
+    (frozen_dir / "checkpoint.pt").write_bytes((tmp_path / "a" / "checkpoint.pt").read_bytes())
+    d2t = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["draft"]["d2t"]
+    _dataset(data, target, shards=2)  # a second shard finished since
+    grown = train(target, _Tok(), tmp_path / "a", config, eval_sets=sets)
+    assert first["data"]["shards"] == ["shard-000000.npz"] and first["data"]["windows"] == 24
+    assert grown["data"]["shards"] == ["shard-000000.npz", "shard-000001.npz"] and grown["data"]["windows"] == 48
+    assert first["steps"] == 0 and grown["steps"] == 4
+    after = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)
+    assert torch.equal(after["draft"]["d2t"], d2t) and after["shards"] == grown["data"]["shards"]
+    frozen = train(target, _Tok(), frozen_dir, Eagle3Config(**{**config.__dict__, "freeze_data": True}),
+                   eval_sets=sets)
+    assert frozen["data"]["shards"] == ["shard-000000.npz"] and frozen["steps"] == 4
 def test_training_lowers_the_loss_resumes_and_exports(tmp_path):
     target = tiny_llama(0, vocab_size=16)
     data, out = tmp_path / "data", tmp_path / "draft"

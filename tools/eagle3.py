@@ -18,7 +18,8 @@ vocabulary (the most frequent answer tokens; `d2t` maps them to target ids).
 Every `eval_every` steps (and at the end) the held-out sets (HumanEval and chat prompts with the
 target's greedy continuation) are scored by the same forward: per-step agreement and the mean accepted
 length of a greedy γ = ttt_steps round; appended to `learning_curve.jsonl`; a checkpoint is written and
-a rerun resumes from it (on the shards it started with). The export is bf16 safetensors with
+a rerun resumes from it, on its shards plus those finished since (the data grows between sessions; the
+draft vocabulary stays the checkpoint's; `--freeze-data` keeps the shards it had). The export is bf16 safetensors with
 provenance in `tandem_draft.json`.
 """
 
@@ -67,6 +68,7 @@ class Eagle3Config:
     eval_new_tokens: int = 64
     context: int = 32  # prompt tokens kept before the answer in a window
     max_shards: int = 0  # 0: every shard the manifest lists at the first run
+    freeze_data: bool = False  # on resume, keep the checkpoint's shards (default: add those finished since)
     seed: int = 0
     threads: int = 1
 
@@ -163,6 +165,17 @@ def evaluate(target, draft: Eagle3Draft, sets: dict, steps: int) -> dict:
     return result
 
 
+def resume_shards(state: dict | None, finished: list[str], config: Eagle3Config) -> list[str]:
+    """The shards a run trains on: a fresh run every finished one (at most `max_shards`); a resumed run the
+    checkpoint's, in their order, then (unless `freeze_data`) those finished since."""
+    if state is None:
+        return finished[: config.max_shards or None]
+    names = list(state["shards"])
+    if not config.freeze_data:
+        names += [name for name in finished if name not in set(names)]
+    return names
+
+
 @restores_torch_threads
 def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | None = None) -> dict:
     """Train (or resume) into `out_dir`; returns the exported tandem_draft.json. `eval_sets` replaces the
@@ -178,12 +191,15 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
     manifest = Manifest.load(data)
     if manifest is None:
         raise FileNotFoundError(f"{data} holds no draftdata manifest (python -m tools.draftdata generate)")
-    names = state["shards"] if state else [s.file for s in manifest.shards][: config.max_shards or None]
+    names = resume_shards(state, [s.file for s in manifest.shards], config)
     if not names:
         raise ValueError(f"{data} has no finished shard yet")
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     ids, answer = load_windows(data, names, config.seq_len, config.context, pad)  # [N, W]
-    vocab = torch.tensor(frequent_vocab(ids[answer].tolist(), config.vocab_size, [pad]))
+    if state is not None:  # the head's rows are the checkpoint's, whatever data came since
+        vocab = state["draft"]["d2t"]
+    else:
+        vocab = torch.tensor(frequent_vocab(ids[answer].tolist(), config.vocab_size, [pad]))
     draft = Eagle3Draft(target, vocab).float().train()
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr)
@@ -195,7 +211,8 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, minutes_before = state["step"], state["minutes"]
-        log.info("resuming at step %d of %d", step, config.steps)
+        log.info("resuming at step %d of %d on %d shards (%d at the checkpoint)", step, config.steps, len(names),
+                 len(state["shards"]))
     shape = SimpleNamespace(eval_humaneval=config.eval_humaneval, eval_chat=config.eval_chat,
                             eval_new_tokens=config.eval_new_tokens)  # the fields `_eval_sets` reads
     sets = eval_sets if eval_sets is not None else _eval_sets(target, tokenizer, shape, out)
@@ -262,7 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--target", default="default")
     for name, field in Eagle3Config.__dataclass_fields__.items():
-        if name != "data":
+        if name == "data":
+            continue
+        if isinstance(field.default, bool):
+            parser.add_argument("--" + name.replace("_", "-"), action="store_true")
+        else:
             parser.add_argument("--" + name.replace("_", "-"), type=type(field.default), default=field.default)
     args = vars(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cluster.core.config import EngineConfig
-from cluster.core.errors import InvalidRequestError  # noqa: E402
+from cluster.core.errors import ConfigError, InvalidRequestError  # noqa: E402
 from cluster.core.sampling import SamplingParams  # noqa: E402
 from cluster.model import models  # noqa: E402
 from cluster.model.models import encode_prompt
@@ -579,3 +579,30 @@ def test_inline_matches_of_a_tandem_config():
     assert spec.engine is not None and spec.max_k == 3 and spec.matches.kind == "own"
     ngram = drafter_spec(EngineConfig(proposer="ngram"))
     assert not ngram.has_drafter and ngram.drafts and ngram.matches.kind == "lookup"
+
+
+# -- vLLM's own EAGLE-3 method on tandem's exported EAGLE-3 draft ------------------------------------------------
+
+
+def test_eagle3_export_loads_in_vllm_and_its_greedy_output_is_the_targets(path, prompts, reference, tmp_path):
+    """`drafts.eagle3_model.export_vllm` writes what vLLM's `eagle3` method loads (the draft runs in vLLM's step on
+    the target's three fused layers): vLLM drafts with it, and the greedy output is vLLM's target-only output.
+    The draft here is the untrained one (built from the target), so only losslessness and drafting are asserted."""
+    from drafts.eagle3_model import Eagle3Draft, export_vllm
+
+    target = models.load_causal_lm(path, "float32", "cpu")
+    draft = Eagle3Draft(target, torch.arange(4096)).eval()
+    out = export_vllm(draft, tmp_path / "eagle3")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 4096
+    engine = VLLMEngine(path, dtype="float32", method="eagle3", num_speculative_tokens=3, eagle3_dir=str(out))
+    try:
+        before = engine.spec_metrics()
+        outs = engine.generate_batch(list(prompts.values()), GREEDY)
+        after = engine.spec_metrics()
+    finally:
+        engine.shutdown()
+    assert {name: o.token_ids for name, o in zip(prompts, outs)} == reference
+    assert after["draft_tokens"] - before["draft_tokens"] > 0, (before, after)
+    with pytest.raises(ConfigError, match="eagle3_dir"):
+        VLLMEngine(path, method="eagle3", eagle3_dir=str(tmp_path / "missing"))

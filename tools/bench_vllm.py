@@ -27,11 +27,12 @@ DRAFTER_MODES = {"overlap": {"overlap": True, "on_miss": "plain"},  # a miss: on
 def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamma: int = 3, dtype: str = "float32",
                    cache_dir: str | None = None, concurrency: int = 1,
                    drafter_modes: Sequence[str] = ("overlap", "overlap_wait", "sync"),
-                   draft: str = "int8", proposer: str = "draft") -> dict:
+                   draft: str = "int8", proposer: str = "draft", eagle3_dir: str | None = None) -> dict:
     """vLLM target-only vs vLLM + tandem's drafter (overlapped with a plain step on a miss, overlapped
     waiting for the redraft on a miss, and synchronous) vs vLLM's own ngram, on
     the same prompts, greedy. `concurrency` prompts are submitted together (1: one at a time). One engine
-    per method; the tandem engine is reconfigured between drafter modes."""
+    per method; the tandem engine is reconfigured between drafter modes. `eagle3_dir`: also vLLM's own eagle3
+    method on that exported EAGLE-3 draft."""
     path = models.prepare_default_model(cache_dir)
     tokenizer = models.load_tokenizer(path)
     params = SamplingParams.build(max_tokens=max_tokens)
@@ -44,7 +45,7 @@ def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamm
     drafter = drafter_spec(tandem_config)
     report: dict = {"config": {"engine": "vllm", "dtype": dtype, "num_speculative_tokens": gamma,
                                "max_tokens": max_tokens, "prompts": num_prompts, "concurrency": concurrency,
-                               "draft": draft, "proposer": proposer, "cpus": os.cpu_count()},
+                               "draft": draft, "proposer": proposer, "eagle3": eagle3_dir, "cpus": os.cpu_count()},
                     "workloads": {name: {"prompts": len(p)} for name, p in prompts_by_workload.items()}}
 
     def run(engine: VLLMEngine, mode: str) -> None:
@@ -74,14 +75,14 @@ def run_vllm_bench(workloads: list[str], num_prompts: int, max_tokens: int, gamm
             report["workloads"][name][mode] = row
             log.info("%s %s: %.2f tokens/s", name, mode, row["tokens_per_s"])
 
-    for method in (None, "tandem", "ngram"):
-        engine = VLLMEngine(path, dtype=dtype, method=method,
+    for method in (None, "tandem", "ngram") + (("eagle3",) if eagle3_dir else ()):
+        engine = VLLMEngine(path, dtype=dtype, method=method, eagle3_dir=eagle3_dir,
                             num_speculative_tokens=engine_draft_tokens(tandem_config) if method == "tandem" else gamma)
         try:
             if method is None:
                 run(engine, "vllm_target_only")
-            elif method == "ngram":
-                run(engine, "vllm_ngram")
+            elif method in ("ngram", "eagle3"):
+                run(engine, f"vllm_{method}")
             else:
                 for mode in (drafter_modes if drafter.has_drafter else ("sync",)):  # inline lookup: no drafter to tune
                     # a fresh drafter per mode (the label is not tuning): the hybrid remembers other

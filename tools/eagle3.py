@@ -98,11 +98,12 @@ def load_windows(data: Path, names: list[str], seq_len: int, context: int, pad: 
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
-def ttt_forward(target, draft: Eagle3Draft, ids: torch.Tensor, steps: int):
+def ttt_forward(target, draft: Eagle3Draft, ids: torch.Tensor, steps: int, target_out=None):
     """The target's distribution over the draft vocabulary and the draft's logits at every TTT step.
-    ids [B, W] -> (p [B, W - 1, K]: entry t's target, the distribution of token t + 2; logits: steps x [B, W - 1, K])."""
+    ids [B, W] -> (p [B, W - 1, K]: entry t's target, the distribution of token t + 2; logits: steps x [B, W - 1, K]).
+    `target_out`: the target's output on `ids` (with hidden states) when the caller has it already."""
     with torch.no_grad():
-        out = target(input_ids=ids, output_hidden_states=True)
+        out = target_out if target_out is not None else target(input_ids=ids, output_hidden_states=True)
         p = torch.softmax(out.logits[:, 1:, :].float()[..., draft.d2t], -1)  # renormalised over the draft vocabulary
     u = draft.fused(out.hidden_states)[:, :-1]  # [B, n, H]
     n, tokens = u.shape[1], ids[:, 1:]

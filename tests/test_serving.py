@@ -467,15 +467,20 @@ def test_logprobs_chat_and_completions_streamed_and_not(client, tokenizer, targe
 
 
 def test_logprobs_with_n_a_stop_string_and_grpc(server, client, tokenizer, prompt_ids, references):
-    """Sampled n=2: each choice's logprobs are those of its own tokens, and asking for them changes no token;
-    a stop string keeps those of the tokens kept; gRPC answers them with its token ids."""
+    """Sampled n=2: each choice's logprobs are those of its own tokens, none when not asked; a stop string keeps
+    those of the tokens kept; gRPC answers them with its token ids. That asking for logprobs changes no sampled
+    token is `tests/test_logprobs.py::test_sampled_tokens_unchanged_by_logprobs` (in process): through the server
+    two seeded sampled requests need not agree, since which positions are drafted (a late draft becomes a plain
+    step) depends on timing, and a drafted position's token comes from the rejection test, not from a plain draw."""
     messages = [{"role": "user", "content": PROMPTS[4][0]}]
     common = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0.9, seed=5, n=2)
     asked = client.chat.completions.create(**common, logprobs=True, extra_body={"return_token_ids": True})
     plain = client.chat.completions.create(**common, extra_body={"return_token_ids": True})
-    for a, p in zip(sorted(asked.choices, key=lambda c: c.index), sorted(plain.choices, key=lambda c: c.index)):
+    assert sorted(c.index for c in asked.choices) == sorted(c.index for c in plain.choices) == [0, 1]
+    assert all(p.logprobs is None and 1 <= len(p.model_extra["token_ids"]) <= 12 for p in plain.choices)
+    for a in asked.choices:
         ids = a.model_extra["token_ids"]
-        assert ids == p.model_extra["token_ids"] and p.logprobs is None
+        assert 1 <= len(ids) <= 12
         assert [c.token for c in a.logprobs.content] == [tokenizer.decode([t]) for t in ids]
         assert all(c.top_logprobs == [] and c.logprob <= 0 for c in a.logprobs.content)
     ref_text = tokenizer.decode(_ref(references, prompt_ids, 0), skip_special_tokens=True)

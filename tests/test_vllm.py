@@ -637,6 +637,7 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
         torch.set_num_threads(threads)
     out = export_vllm(draft, tmp_path / "eagle3")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    del target, draft, hidden, optimizer, p, logits, loss  # the torch copies, before a third engine starts
     engine = VLLMEngine(path, dtype="float32", method="eagle3", num_speculative_tokens=gamma, eagle3_dir=str(out))
     try:
         counted = []

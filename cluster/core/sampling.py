@@ -2,7 +2,10 @@
 
 The same `probabilities()` is applied to the target's logits (p) and the draft's logits (q), so the
 rejection test compares like with like. Random numbers come from (request seed, token position,
-stream): a seeded request is reproducible however its tokens are grouped into rounds.
+stream): a seeded request draws the same numbers at a position however its tokens are grouped into rounds,
+so it is reproducible wherever the same positions are drafted with the same drafts (in process, and plain
+decoding everywhere); where drafting overlaps verification, timing decides which positions are drafted (a
+late draft becomes a plain step), and the tokens follow the target's distribution without repeating.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from cluster.core.tree import additive_mask
+
 KIND = "eagle3"
 WEIGHTS, META = "draft.safetensors", "tandem_draft.json"
 VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -110,8 +112,7 @@ class Eagle3Draft(nn.Module):
         if pos is None:
             pos = torch.arange(cached, cached + T)[None]
         if mask is None:
-            allowed = torch.ones(T, cached + T, dtype=torch.bool).tril(cached)
-            mask = torch.zeros(allowed.shape, dtype=u.dtype).masked_fill(~allowed, torch.finfo(u.dtype).min)[None, None]
+            mask = additive_mask(torch.ones(T, cached + T, dtype=torch.bool).tril(cached), u.dtype)[None, None]
         e = F.embedding(next_ids, self.embed).to(u.dtype)
         g = self.midlayer(u, e, self.rotary(u, pos), mask.to(u.dtype), past)
         return g, past

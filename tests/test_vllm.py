@@ -584,31 +584,12 @@ def test_inline_matches_of_a_tandem_config():
 # -- vLLM's own EAGLE-3 method on tandem's exported EAGLE-3 draft ------------------------------------------------
 
 
-def _chained_rounds(target, draft, ids: list[int], prompt_len: int, gamma: int) -> tuple[int, int]:
-    """(rounds, accepted drafts) of greedy chains of `gamma` drafts along `ids`, predicted in torch: a round
-    drafts after the last target-fed entry and keeps its longest run of right drafts, then the target's token."""
-    from tools.eagle3 import ttt_forward
-
-    with torch.no_grad():
-        _, logits = ttt_forward(target, draft, torch.tensor([ids]), gamma)
-    truth = torch.tensor(ids[2:] + [-1])  # entry t predicts token t + 2
-    right = torch.stack([draft.d2t[lg[0].argmax(-1)] == truth for lg in logits])  # [gamma, entries]
-    last = len(ids) - 2
-    t, rounds, accepted = prompt_len - 1, 0, 0
-    while t < last:
-        m = 0
-        while m < gamma and t + m < last and bool(right[m, t + m]):
-            m += 1
-        rounds, accepted, t = rounds + 1, accepted + m, t + m + 1
-    return rounds, accepted
-
-
 def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_path):
     """`drafts.eagle3_model.export_vllm` writes what vLLM's `eagle3` method loads, and vLLM runs the same draft:
     a draft fitted to these prompts' answers (50 steps of the EAGLE-3 objective) accepts, inside vLLM's
     step, exactly the drafts the torch draft predicts round by round; the greedy output is the target's."""
     from drafts.eagle3_model import Eagle3Draft, export_vllm
-    from tools.eagle3 import ttt_forward, ttt_loss
+    from tools.eagle3 import chained_rounds, right_drafts, ttt_forward, ttt_loss
 
     gamma = 3
     target = models.load_causal_lm(path, "float32", "cpu")
@@ -632,7 +613,9 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
             loss.backward()
             optimizer.step()
         draft.eval()
-        predicted = [_chained_rounds(target, draft, s, plen, gamma) for plen, s in seqs]
+        with torch.no_grad():
+            predicted = [chained_rounds(right_drafts(draft, ttt_forward(target, draft, torch.tensor([s]), gamma)[1], s),
+                                        plen) for plen, s in seqs]
     finally:
         torch.set_num_threads(threads)
     out = export_vllm(draft, tmp_path / "eagle3")

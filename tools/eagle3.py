@@ -132,6 +132,27 @@ def ttt_loss(p, logits, valid: torch.Tensor, weight: float) -> tuple[torch.Tenso
     return total, parts
 
 
+def right_drafts(draft: Eagle3Draft, logits, full: list[int]) -> torch.Tensor:
+    """[steps, n] bool: step j's greedy draft at entry t (of one sequence `full`, `ttt_forward`'s logits) is the
+    token that follows (entry t predicts token t + 2)."""
+    truth = torch.tensor(full[2:] + [-1])
+    return torch.stack([draft.d2t[lg[0].argmax(-1)] == truth for lg in logits])
+
+
+def chained_rounds(right: torch.Tensor, prompt_len: int) -> tuple[int, int]:
+    """(rounds, accepted drafts) of greedy chains of `right`'s steps along the sequence after its prompt, as a
+    speculative engine runs them (vLLM's eagle3 among them): a round drafts after the last target-fed entry,
+    keeps its longest run of right drafts, then the target's token."""
+    gamma, last = right.shape[0], right.shape[1] - 1
+    t, rounds, accepted = prompt_len - 1, 0, 0
+    while t < last:
+        m = 0
+        while m < gamma and t + m < last and bool(right[m, t + m]):
+            m += 1
+        rounds, accepted, t = rounds + 1, accepted + m, t + m + 1
+    return rounds, accepted
+
+
 @torch.no_grad()
 def evaluate(target, draft: Eagle3Draft, sets: dict, steps: int) -> dict:
     """Per workload: agreement at each step (given the correct tokens before), the mean accepted length of
@@ -149,8 +170,7 @@ def evaluate(target, draft: Eagle3Draft, sets: dict, steps: int) -> dict:
             first = max(plen - 2, 0)
             ce += float(-(p[0, first:] * torch.log_softmax(logits[0][0, first:].float(), -1)).sum())
             ce_n += n - first
-            truth = torch.tensor(full[2:] + [-1])  # [n]: entry t predicts token t + 2
-            right = torch.stack([draft.d2t[lg[0].argmax(-1)] == truth for lg in logits])  # [steps, n]
+            right = right_drafts(draft, logits, full)  # [steps, n]
             for j in range(steps):
                 hits[j] += int(right[j, first + j:n - 1].sum())
                 counts[j] += max(0, n - 1 - first - j)
@@ -173,7 +193,8 @@ def resume_shards(state: dict | None, finished: list[str], config: Eagle3Config)
         return finished[: config.max_shards or None]
     names = list(state["shards"])
     if not config.freeze_data:
-        names += [name for name in finished if name not in set(names)]
+        known = set(names)
+        names += [name for name in finished if name not in known]
     return names
 
 

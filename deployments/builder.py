@@ -28,7 +28,7 @@ def build_app(config: TandemAppConfig | dict | None = None) -> Application:
     config = TandemAppConfig.build(config)
     _check_tensor_parallel(config)
     if config.engine.backend == "vllm":  # vLLM verifier replicas (Ray Serve LLM's LLMServer) + their drafters
-        from deployments.vllm_serving import build_vllm_app  # on use: vLLM is optional
+        from deployments.vllm_app import build_vllm_app  # on use: vLLM is optional
 
         return build_vllm_app(config)
     plain = config.model_dump(mode="json")

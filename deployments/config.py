@@ -94,6 +94,7 @@ class VLLMServingConfig(BaseModel):
     on_miss: Literal["plain", "wait"] = Field("plain", description="Overlapped, when the drafter's draft missed the committed tokens: 'plain' (one plain step while it redrafts) or 'wait' (wait up to wait_s for the redraft).")
     compile: bool = Field(True, description="vLLM's torch.compile of the model, its own default (false: eager, vLLM's enforce_eager). Measured here on CPU: 31 ms a token against 49 eager at one stream, at 160 s of startup against 35 (BENCHMARKS.md); eager suits short-lived servers such as tests.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="More vLLM engine arguments, passed as they are (e.g. gpu_memory_utilization).")
+    direct_ingress: bool = Field(True, description="The verifier replicas serve the OpenAI and gRPC API themselves (no ingress deployment: Serve's proxy calls them directly, one Serve hop less per streamed chunk; measured faster, BENCHMARKS.md). A replica's death then ends its streams; with the ingress apart (false) they resume on a live replica.")
 
 
 def _default_verifier() -> DeploymentSpec:

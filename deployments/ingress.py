@@ -77,8 +77,12 @@ async def _on_server_error(request: Request, e: Exception):
 # ---- the ingress deployment -----------------------------------------------------------------------
 
 
-@serve.ingress(app)  # at import, so every process that unpickles the class sees the same routes
-class Ingress:
+class IngressRoutes:
+    """The API's routes and checks, on whatever replica serves them: the `Ingress` deployment (sessions on
+    the router deployment or the vLLM verifier replicas, through `router_handle`), or a vLLM verifier replica
+    that is its own ingress (`deployments.vllm_serving.DirectVLLMServer`: `router_handle` calls the replica
+    itself). FastAPI's routes call these methods on the replica's servable object."""
+
     def __init__(self, config: dict, router_handle):
         from transformers import AutoConfig
 
@@ -283,3 +287,8 @@ class Ingress:
         from grpc_health.v1 import health_pb2
 
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+@serve.ingress(app)  # at import, so every process that unpickles a replica class sees the same routes (bound to
+class Ingress(IngressRoutes):  # IngressRoutes' methods, called on the replica's servable object)
+    """The ingress deployment."""

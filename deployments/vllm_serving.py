@@ -1,11 +1,12 @@
 """Serving with vLLM as the target engine (`engine.backend: vllm`): the same OpenAI and gRPC APIs.
 
-The application is the ingress (unchanged) and the verifier pool, whose replicas are Ray Serve LLM's
-`LLMServer` (its `LLMConfig`, builder, placement group per replica and vLLM engine startup, reused as
-they are) extended by `TandemLLMServer`. vLLM owns the decoding loop, so the replica also drives its
-sessions (`TandemLLMServer.generate`: text deltas, stop strings, metrics, resumes after a failover) and
-the ingress calls it directly: no router deployment, one Serve hop less for every streamed chunk
-(BENCHMARKS.md measured each hop's CPU per token). Streams are paced (`deployments.pacing`).
+The verifier pool's replicas are Ray Serve LLM's `LLMServer` (its `LLMConfig`, builder, placement group
+per replica and vLLM engine startup, reused as they are) extended by `TandemLLMServer`. vLLM owns the
+decoding loop, so the replica also drives its sessions (`TandemLLMServer.generate`: text deltas, stop
+strings, metrics, resumes after a failover): no router deployment. By default the replicas serve the API
+themselves (`deployments.vllm_app.DirectVLLMServer`); with `vllm.direct_ingress: false` the ingress
+deployment calls them (BENCHMARKS.md measured each hop's CPU per token). Streams are paced
+(`deployments.pacing`).
 
 - vLLM owns the target and its decoding loop; tandem's drafter proposes through the custom proposer
   class (`cluster.vllm.proposer.TandemProposer`), a client of the replica's `Drafter` actor.
@@ -41,10 +42,8 @@ from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
 from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params
 from cluster.vllm.proposer import PROPOSER_CLASS
-from cluster.vllm.protocol import (INLINE_ONLY, DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens,
-                                   inline_matches)
+from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens
 from cluster.vllm.worker import WORKER_EXTENSION
-from deployments.assembly import ingress_deployment
 from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.metrics import TandemMetrics
@@ -353,24 +352,3 @@ class TandemLLMServer(_server_base()):
         await super().check_health()
         await self._record_proposer()  # periodically (Serve's health checks), off the requests' path
         self.metrics.active_sessions.set(self.open_sessions)
-
-
-def build_vllm_app(config: TandemAppConfig):
-    """The application for `engine.backend: vllm`: ingress → vLLM verifier replicas."""
-    from ray import serve
-    from ray.serve.llm import build_llm_deployment
-
-    plain = config.model_dump(mode="json")
-    engine = config.engine.model_dump(mode="json")
-    engine.update(backend="torch")  # the drafter's own models run on tandem's runner
-    matches = inline_matches(config.engine)
-    tandem = {"config": plain, "speculative": config.speculative, "engine": engine,
-              # proposers ngram and suffix draft in vLLM's step only; the hybrid's long matches too, its other rounds remotely
-              "drafter": config.engine.proposer not in INLINE_ONLY, "max_k": config.engine.num_speculative_tokens,
-              "matches": matches.model_dump(mode="json") if matches else None,
-              "drafter_placement": config.drafter.placement.model_dump(mode="json"),
-              "overlap": config.vllm.overlap, "wait_s": config.vllm.wait_s, "on_miss": config.vllm.on_miss,
-              "wait_first": config.vllm.wait_first}
-    verifier = build_llm_deployment(llm_config(config), name_prefix="Verifier:", deployment_cls=TandemLLMServer,
-                                    bind_kwargs={"tandem": tandem})
-    return ingress_deployment(config, plain, verifier)  # the replicas drive their sessions: no router

@@ -21,7 +21,7 @@ PACKAGES = ("cluster", "deployments", "drafts", "tools", "protos")
 RUNTIME = ("cluster", "deployments", "drafts")
 MAX_LINES = 400
 # vLLM is an optional heavy dependency: a module that needs it may be imported where it is used
-IMPORTED_ON_USE = ("cluster.vllm", "deployments.vllm_serving", "tools.bench_vllm", "vllm")
+IMPORTED_ON_USE = ("cluster.vllm", "deployments.vllm_serving", "deployments.vllm_app", "tools.bench_vllm", "vllm")
 
 
 def _sources(packages=PACKAGES):

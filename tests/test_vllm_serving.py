@@ -149,6 +149,46 @@ def test_replicas_compile_the_model_unless_told_not_to():
     assert served["speculative_config"]["method"] == "custom_class"
 
 
+def test_direct_ingress_admits_to_its_bound_and_closes_what_it_opened():
+    """A replica that is its own ingress: `resumable_stream` calls the replica's sessions in process; past the
+    bound a request is refused as "overloaded" (HTTP 503, as the ingress deployment's handle refuses it), and a
+    stream the caller stops reading is closed (the session's cleanup runs: vLLM aborts the request)."""
+    import asyncio
+
+    from cluster.core.sampling import SamplingParams
+    from deployments.chunks import ErrorChunk, TokensChunk
+    from deployments.failover import resumable_stream
+    from deployments.vllm_app import _OwnSessions
+
+    class Replica:  # a test double of the replica: its session count and its sessions' chunks
+        open_sessions, closed = 0, []
+
+        async def generate(self, prompt_ids, sampling, gamma=None, resume=None):
+            try:
+                for t in range(5):
+                    yield TokensChunk([t], str(t), {})
+            finally:
+                self.closed.append(True)
+
+    async def run(replica, limit, take):
+        chunks = []
+        async for chunk in resumable_stream(_OwnSessions(replica, limit), [1, 2], SamplingParams.build(max_tokens=5),
+                                            None, max_resumes=3, resume_delay_s=0.0):
+            chunks.append(chunk)
+            if len(chunks) == take:
+                break
+        await asyncio.sleep(0)  # the close scheduled by the stream's cancel runs
+        return chunks
+
+    replica = Replica()
+    assert [c.token_ids for c in asyncio.run(run(replica, 1, 5))] == [[t] for t in range(5)] and replica.closed
+    replica.closed.clear()
+    assert len(asyncio.run(run(replica, 1, 2))) == 2 and replica.closed  # the caller went away
+    replica.open_sessions = 1
+    refused = asyncio.run(run(replica, 1, 5))
+    assert len(refused) == 1 and isinstance(refused[0], ErrorChunk) and refused[0].type == "overloaded"
+
+
 def test_feature_draft_refused_for_vllm():
     with pytest.raises(ConfigError, match="feature-fed draft"):
         TandemAppConfig.build({"engine": {"backend": "vllm", "draft": "feature"}})
@@ -331,12 +371,13 @@ def test_sampled_speculation(client):
     assert fix["state"] == "applied"
 
 
-def test_replicas_drive_their_sessions_and_streams_are_paced(server):
-    """No router deployment on vLLM: the ingress calls the verifier replicas (one Serve hop less per
-    message), and a long stream from a replica with one session still sends every token, in order."""
+def test_replicas_are_the_ingress_and_streams_are_paced(server):
+    """No router deployment on vLLM, and by default no ingress deployment either (`vllm.direct_ingress`): the
+    verifier replicas serve the API themselves, so a streamed chunk crosses no Serve hop between the session
+    and the HTTP response; a long stream from a replica with one session still sends every token, in order."""
     from ray import serve
 
-    assert set(serve.status().applications["tandem"].deployments) == {"Ingress", VERIFIER}
+    assert set(serve.status().applications["tandem"].deployments) == {VERIFIER}
     body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 40, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     pieces, usage = [], None

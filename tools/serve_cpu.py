@@ -13,7 +13,8 @@ spends with no request in flight (timers, health checks, metrics pushes), in per
 machine whose cores the engine's spinning threads fill, that is CPU taken from the engine.
 
 `--ab OUT_DIR RUN...` starts each server in turn, alone (the peer bench's servers: `vllm`,
-`tandem_vllm_none`, ...; `RUN:VAR=VALUE,...` adds environment variables), waits until it decodes, then reads
+`tandem_vllm_none`, ...; `RUN:VAR=VALUE,...` adds environment variables, `RUN:config=PATH` gives a tandem
+side its own Serve config), waits until it decodes, then reads
 10 s idle, one stream (12 x 128 tokens) and 16 streams (48 x 64), and stops it; each run's table goes to
 OUT_DIR/N-RUN.txt, its server's log beside it (BENCHMARKS.md, "Serve's throughput mode"):
 
@@ -122,9 +123,11 @@ def ab(out_dir: str, runs: list[str], config: str, bind: str, port: int = 8300, 
     os.makedirs(out_dir, exist_ok=True)
     for n, run in enumerate(runs, 1):
         name, _, extra = run.partition(":")
-        env = {**server_env(bind), **dict(kv.split("=", 1) for kv in extra.split(",") if kv)}
-        tag = f"{n}-{run}".replace(":", "-").replace(",", "-")
-        server = Process(run, server_argv(name, model_dir, config, "bfloat16", 2048, port), f"http://127.0.0.1:{port}",
+        settings = dict(kv.split("=", 1) for kv in extra.split(",") if kv)
+        run_config = settings.pop("config", config)  # a tandem side's own Serve config
+        env = {**server_env(bind), **settings}
+        tag = f"{n}-{run}".replace(":", "-").replace(",", "-").replace("/", "_")
+        server = Process(run, server_argv(name, model_dir, run_config, "bfloat16", 2048, port), f"http://127.0.0.1:{port}",
                          env, os.path.join(out_dir, f"{tag}.log"))
         try:
             time.sleep(10)  # the start's own work settles

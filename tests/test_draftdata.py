@@ -324,3 +324,22 @@ def test_engine_results_and_fallback(tok, tiny_engine, model_dir, monkeypatch, c
     assert engine.name == "hf/float32" and "FALLING BACK" in caplog.text
     with pytest.raises(ImportError):
         engines_mod.make_engine("vllm", model_dir, pad_id=2)
+
+
+# -- the committed data ------------------------------------------------------------------------------
+
+COMMITTED = Path(__file__).resolve().parents[1] / "drafts" / "data" / "smollm2-135m"
+
+
+def test_committed_data_is_whole_and_holds_no_heldout_prompt(heldout):
+    """The shards committed so far (the generator resumes from them on a fresh machine): each is the file the
+    manifest lists (sha256, samples, answer tokens), and no sample's prompt is a held-out one."""
+    manifest = Manifest.load(COMMITTED)
+    assert manifest is not None and manifest.shards, f"no manifest or no shards in {COMMITTED}"
+    for record in manifest.shards:
+        path = COMMITTED / record.file
+        assert sha256(path) == record.sha256, record.file
+        shard = read_shard(path)
+        assert len(shard) == record.samples and shard.answer_tokens() == record.answer_tokens, record.file
+        assert not [p for p in shard.prompt.tolist() if heldout.rejects(p)], record.file
+    assert manifest.totals()["answer_tokens"] == sum(r.answer_tokens for r in manifest.shards) > 0

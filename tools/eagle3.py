@@ -26,6 +26,7 @@ provenance in `tandem_draft.json`.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import shlex
@@ -71,6 +72,7 @@ class Eagle3Config:
     freeze_data: bool = False  # on resume, keep the checkpoint's shards (default: add those finished since)
     seed: int = 0
     threads: int = 1
+    precision: str = "bf16"  # "bf16": the target's features in a bf16 copy, the draft's products in bf16 (autocast)
 
 
 def ttt_mask(n: int, step: int) -> torch.Tensor:
@@ -98,23 +100,38 @@ def load_windows(data: Path, names: list[str], seq_len: int, context: int, pad: 
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
-def ttt_forward(target, draft: Eagle3Draft, ids: torch.Tensor, steps: int, target_out=None):
+def target_states(target, ids: torch.Tensor, d2t: torch.Tensor):
+    """The target on ids [B, W]: (transformers' `hidden_states` tuple, p [B, W - 1, K]: its distribution over the
+    draft vocabulary at each entry, renormalised there). Only the head's rows at d2t are computed: the
+    softmax of those logits is the full distribution renormalised over them, at a sixth of the head's cost."""
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+        logits = out.last_hidden_state[:, 1:] @ target.lm_head.weight[d2t].T
+        return out.hidden_states, torch.softmax(logits.float(), -1)
+
+
+def ttt_forward(target, draft: Eagle3Draft, ids: torch.Tensor, steps: int, target_out=None, bf16: bool = False):
     """The target's distribution over the draft vocabulary and the draft's logits at every TTT step.
     ids [B, W] -> (p [B, W - 1, K]: entry t's target, the distribution of token t + 2; logits: steps x [B, W - 1, K]).
-    `target_out`: the target's output on `ids` (with hidden states) when the caller has it already."""
-    with torch.no_grad():
-        out = target_out if target_out is not None else target(input_ids=ids, output_hidden_states=True)
-        p = torch.softmax(out.logits[:, 1:, :].float()[..., draft.d2t], -1)  # renormalised over the draft vocabulary
-    u = draft.fused(out.hidden_states)[:, :-1]  # [B, n, H]
-    n, tokens = u.shape[1], ids[:, 1:]
-    pos, cache, logits = torch.arange(n)[None], DynamicCache(), []
-    for j in range(steps):
-        # step j's n entries attend to the cached keys of steps 0..j-1 (their inputs never change, so
-        # neither do their keys) and to their own: ttt_mask's rows for step j
-        mask = additive_mask(ttt_mask(n, j)[j * n:], u.dtype)
-        g, _ = draft(u, tokens, past=cache, pos=pos, mask=mask[None, None])  # [B, n, H]
-        logits.append(draft.logits(g))
-        u = torch.cat([g[:, :1], g[:, :-1]], 1)  # entry t of the next step reads g at t - 1
+    `target_out`: the target's output on `ids` (with hidden states) when the caller has it already. `bf16`:
+    the draft's matrix products in bfloat16 (autocast; its weights and the loss stay fp32)."""
+    if target_out is not None:
+        hidden = target_out.hidden_states
+        with torch.no_grad():
+            p = torch.softmax(target_out.logits[:, 1:, :].float()[..., draft.d2t], -1)
+    else:
+        hidden, p = target_states(target, ids, draft.d2t)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        u = draft.fused(hidden)[:, :-1]  # [B, n, H]
+        n, tokens = u.shape[1], ids[:, 1:]
+        pos, cache, logits = torch.arange(n)[None], DynamicCache(), []
+        for j in range(steps):
+            # step j's n entries attend to the cached keys of steps 0..j-1 (their inputs never change, so
+            # neither do their keys) and to their own: ttt_mask's rows for step j
+            mask = additive_mask(ttt_mask(n, j)[j * n:], u.dtype)
+            g, _ = draft(u, tokens, past=cache, pos=pos, mask=mask[None, None])  # [B, n, H]
+            logits.append(draft.logits(g))
+            u = torch.cat([g[:, :1], g[:, :-1]], 1)  # entry t of the next step reads g at t - 1
     return p, logits
 
 
@@ -154,7 +171,7 @@ def chained_rounds(right: torch.Tensor, prompt_len: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate(target, draft: Eagle3Draft, sets: dict, steps: int) -> dict:
+def evaluate(target, draft: Eagle3Draft, sets: dict, steps: int, bf16: bool = False) -> dict:
     """Per workload: agreement at each step (given the correct tokens before), the mean accepted length of
     a greedy round of `steps` drafts (the longest run of agreeing steps along its diagonal) and step 0's
     soft cross-entropy against the target."""
@@ -165,7 +182,7 @@ def evaluate(target, draft: Eagle3Draft, sets: dict, steps: int) -> dict:
         hits, counts, accepted, rounds, ce, ce_n = np.zeros(steps), np.zeros(steps), 0, 0, 0.0, 0
         for plen, full in seqs:
             ids = torch.tensor([full])
-            p, logits = ttt_forward(target, draft, ids, steps)
+            p, logits = ttt_forward(target, draft, ids, steps, bf16=bf16)
             n = ids.shape[1] - 1
             first = max(plen - 2, 0)
             ce += float(-(p[0, first:] * torch.log_softmax(logits[0][0, first:].float(), -1)).sum())
@@ -223,6 +240,12 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
     else:
         vocab = torch.tensor(frequent_vocab(ids[answer].tolist(), config.vocab_size, [pad]))
     draft = Eagle3Draft(target, vocab).float().train()
+    if config.precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision {config.precision!r}: bf16 or fp32")
+    # bf16 (the default): the features and the target's distribution come from a bf16 copy of the target (what a
+    # bf16 verifier serves them from) and the draft's products run in bf16; measured 2026-12-04 (BENCHMARKS.md)
+    bf16 = config.precision == "bf16"
+    features = copy.deepcopy(target).to(torch.bfloat16).eval() if bf16 else target
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.steps,
@@ -247,7 +270,7 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
 
     def record(loss) -> dict:
         entry = {"step": step, "epoch": round(step / per_epoch, 3), "minutes": round(minutes(), 2),
-                 "loss": loss, **evaluate(target, draft, sets, config.ttt_steps)}
+                 "loss": loss, **evaluate(features, draft, sets, config.ttt_steps, bf16)}
         with open(out / CURVE, "a") as f:
             f.write(json.dumps(entry) + "\n")
         log.info("evaluation %s", json.dumps(entry))
@@ -261,7 +284,7 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
         epoch, i = divmod(step, per_epoch)
         order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(config.seed + epoch))
         batch = order[i * config.batch_size:(i + 1) * config.batch_size]
-        p, logits = ttt_forward(target, draft, ids[batch], config.ttt_steps)
+        p, logits = ttt_forward(features, draft, ids[batch], config.ttt_steps, bf16=bf16)
         loss, _ = ttt_loss(p, logits, valid[batch], config.step_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -219,6 +219,8 @@ def resume_shards(state: dict | None, finished: list[str], config: Eagle3Config)
 def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | None = None) -> dict:
     """Train (or resume) into `out_dir`; returns the exported tandem_draft.json. `eval_sets` replaces the
     held-out HumanEval / chat sets (tests)."""
+    if config.precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision {config.precision!r}: bf16 or fp32")
     started = time.time()
     deadline = started + 60 * config.max_minutes if config.max_minutes else float("inf")
     out, data = Path(out_dir), Path(config.data).expanduser()
@@ -240,8 +242,6 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
     else:
         vocab = torch.tensor(frequent_vocab(ids[answer].tolist(), config.vocab_size, [pad]))
     draft = Eagle3Draft(target, vocab).float().train()
-    if config.precision not in ("bf16", "fp32"):
-        raise ValueError(f"precision {config.precision!r}: bf16 or fp32")
     # bf16 (the default): the features and the target's distribution come from a bf16 copy of the target (what a
     # bf16 verifier serves them from) and the draft's products run in bf16; measured 2026-12-04 (BENCHMARKS.md)
     bf16 = config.precision == "bf16"

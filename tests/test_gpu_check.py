@@ -19,7 +19,7 @@ from tools.gpu_check.markdown import render
 from tools.gpu_check.shapes import Models
 from tools.gpu_check.timing import Budget
 
-SECTIONS = ("greedy_equality", "verify_cost", "cost_ratio", "loop_overhead", "speedups")
+SECTIONS = ("greedy_equality", "verify_cost", "cost_ratio", "loop_overhead", "graphed_step", "speedups")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,8 @@ def test_tiny_run_costs_are_sensible(tiny_run):
 
 def test_tiny_run_speedups_carry_the_model_prediction(tiny_run):
     sp = tiny_run[1]["sections"]["speedups"]
-    assert set(sp["targets"]) == {"smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"}
+    assert sp["dtype"] == "float32"  # where the oracle's reference holds (speedups.py)
+    assert set(sp["targets"]) == {"smollm2-135m", "llama-3.2-1b"}
     for target in sp["targets"].values():
         assert _positive(target["c"]) and _positive(target["plain_tokens_per_s"])
         runs = {(r["alpha"], r["mode"]) for r in target["runs"]}
@@ -91,7 +92,26 @@ def test_tiny_run_speedups_carry_the_model_prediction(tiny_run):
             assert _positive(run["measured_speedup"]) and 0 <= run["acceptance"] <= 1
             for key in ("pipeline_model", "pipeline_model_with_curve", "closed_form"):
                 assert _positive(run["predicted"][key])
-            assert run["matches_plain"]  # bf16 on CPU: same numerics for both
+            assert run["matches_plain"]  # fp32: the oracle's reference is the run's own continuation
+
+
+def test_tiny_run_times_the_static_cache_step_and_says_there_is_no_graph_on_cpu(tiny_run):
+    g = tiny_run[1]["sections"]["graphed_step"]
+    assert set(g["targets"]) == {"smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"}
+    for target in g["targets"].values():
+        assert _positive(target["eager_step_s"]) and "no CUDA graphs on cpu" in target["graph"]
+
+
+def test_sections_runs_only_those_asked_and_rejects_unknown_ones(tmp_path):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--out", str(tmp_path), "--device", "cpu", "--sections", "verify_cost"]) == 0
+    report = json.loads((tmp_path / REPORT).read_text())
+    assert report["sections"]["verify_cost"]["status"] == "ok"
+    assert {report["sections"][n]["status"] for n in SECTIONS if n != "verify_cost"} == {"not asked"}
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main(["--out", str(tmp_path), "--sections", "verify_cost,nonsense"]) == 2
+    assert "nonsense" in err.getvalue()
 
 
 def test_equality_check_catches_a_broken_verifier(monkeypatch):

@@ -2,6 +2,7 @@
 # The one command on the device machine (see tools/device/README.md): installs the carried wheels into
 # /tmp/site, records the GPU, runs the GPU check into $OUT (the device tool's output folder) with its log.
 # BUDGET_S (default 400) is the check's own time budget; the command ends within it plus ~1 minute.
+# SECTIONS (default: all) is passed as --sections, e.g. SECTIONS=graphed_step,speedups for a rerun.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-/tmp/gpu_check_out}"
@@ -13,6 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import pydantic, torch, transformers; print('pydantic', pydantic.VERSION, 'torch', torch.__version__, \
 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
 timeout $(( ${BUDGET_S:-400} + 90 )) python3 -m tools.gpu_check --out "$out" --device cuda --budget-s "${BUDGET_S:-400}" \
+    ${SECTIONS:+--sections "$SECTIONS"} \
     2>&1 | tee "$out/gpu_check.log"
 status=${PIPESTATUS[0]}
 echo "gpu_check exit status $status (0: greedy equality held in every case; 1: a case diverged or failed; 124: timed out)"

@@ -20,6 +20,7 @@ from tools.gpu_check.costs import (
     verify_cost_section,
 )
 from tools.gpu_check.equality import greedy_equality
+from tools.gpu_check.graphs import graphed_step_section
 from tools.gpu_check.shapes import EQUALITY_TARGETS, PAIRS, TARGETS, Models
 from tools.gpu_check.speedups import speedup_section
 from tools.gpu_check.timing import Budget
@@ -29,7 +30,8 @@ UNVERIFIED = "unverified on a GPU"
 # the in-process path must not need these (issue 26, item 1; the device machine has none of them)
 HEAVY = ("ray", "grpc", "protos", "vllm")
 # whole-section estimates on an H200, in seconds (tiny shapes: a tenth)
-ESTIMATES = {"greedy_equality": 60, "verify_cost": 50, "cost_ratio": 25, "loop_overhead": 25, "speedups": 80}
+ESTIMATES = {"greedy_equality": 60, "verify_cost": 50, "cost_ratio": 25, "loop_overhead": 25, "graphed_step": 30,
+             "speedups": 80}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (automatic on cpu): CI, seconds")
     p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget for all sections")
+    p.add_argument("--sections", default=",".join(ESTIMATES),
+                   help=f"comma-separated subset of {', '.join(ESTIMATES)} (default: all, in that order)")
     return p.parse_args(argv)
 
 
@@ -61,6 +65,9 @@ def _save(report: dict, out: Path) -> None:
 def _section(report: dict, budget: Budget, name: str, tiny: bool, fn) -> dict | None:
     """Run one section unless the budget is spent; errors are recorded, never fatal. The report is saved
     after each section, so a run killed at its time limit still leaves what it measured."""
+    if name not in report["args"]["sections"].split(","):
+        report["sections"][name] = {"status": "not asked", "reason": "not in --sections"}
+        return None
     needs = ESTIMATES[name] / (10 if tiny else 1)
     if not budget.allows(name, needs):
         report["sections"][name] = {"status": "skipped", "reason": budget.skipped[-1]["reason"]}
@@ -106,12 +113,23 @@ def summary(report: dict) -> list[str]:
         for run in t["runs"]:
             lines.append(f"speedup {name}+{t['draft']} (c {t['c']:.2f}) alpha {run['alpha']} {run['mode']}: "
                          f"{run['measured_speedup']:.2f}x measured, "
-                         f"{run['predicted']['pipeline_model_with_curve']:.2f}x model")
+                         f"{run['predicted']['pipeline_model_with_curve']:.2f}x model"
+                         f"{'' if run['matches_plain'] else ', OUTPUT DIFFERS FROM PLAIN'}")
+    for name, g in s.get("graphed_step", {}).get("targets", {}).items():
+        if "error" in g:
+            lines.append(f"graphed step {name}: {g['error']}")
+        elif "graph_step_s" in g:
+            lines.append(f"graphed step {name}: eager {g['eager_step_s'] * 1e3:.2f} ms, CUDA graph "
+                         f"{g['graph_step_s'] * 1e3:.2f} ms ({g['eager_over_graph']:.1f}x), same argmax {g['same_argmax']}")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    unknown = set(args.sections.split(",")) - set(ESTIMATES)
+    if unknown:
+        print(f"--sections: unknown {sorted(unknown)}; known: {', '.join(ESTIMATES)}", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
@@ -131,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     if not verified:
         print(f"{UNVERIFIED}: tiny shapes on {device.type}; these figures say nothing about a GPU")
     equality = report["sections"].get("greedy_equality", {})
+    if equality.get("status") == "not asked":
+        return 0
     return 0 if equality.get("all_equal") and not equality.get("errors") else 1
 
 
@@ -143,14 +163,15 @@ def run(args: argparse.Namespace, device: torch.device, tiny: bool, verified: bo
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "environment": environment(device),
               "shapes": models.describe(), "pairs": PAIRS,
               "heavy_modules_imported": sorted(m for m in HEAVY if m in sys.modules), "sections": {}}
-    bf16 = [n for n, dtypes in TARGETS if "bfloat16" in dtypes]
+    fp32 = [n for n, dtypes in TARGETS if "float32" in dtypes]  # the speedups' targets (speedups.py says why)
     _section(report, budget, "greedy_equality", tiny, lambda: greedy_equality(models, EQUALITY_TARGETS, tiny, budget))
     curves = _section(report, budget, "verify_cost", tiny, lambda: verify_cost_section(models, TARGETS, tiny, budget))
     _section(report, budget, "cost_ratio", tiny,
              lambda: cost_ratio_section(models, TARGETS, tiny, budget, (curves or {}).get("targets", {})))
     _section(report, budget, "loop_overhead", tiny, lambda: loop_overhead_section(models, TARGETS, tiny, budget))
-    models.drop("float32")
-    _section(report, budget, "speedups", tiny, lambda: speedup_section(models, bf16, tiny, budget))
+    _section(report, budget, "graphed_step", tiny, lambda: graphed_step_section(models, TARGETS, tiny, budget))
+    models.drop("bfloat16")
+    _section(report, budget, "speedups", tiny, lambda: speedup_section(models, fp32, tiny, budget))
     report["skipped"] = budget.skipped
     report["wall_s"] = round(budget.elapsed(), 1)
     report["summary"] = summary(report)

@@ -61,13 +61,24 @@ def render(report: dict, title: str) -> str:
                        for m in modes] for k, o in overhead.items()]
         lines += ["Loop overhead per round (Python, sampler, syncs; fraction of the round's forward):", ""]
         lines += _table(["target"] + list(modes), rows)
+    graphed = s.get("graphed_step", {}).get("targets", {})
+    if graphed:
+        rows = [[k, f"{g['eager_step_s'] * 1e3:.2f}",
+                 f"{g['graph_step_s'] * 1e3:.2f}" if "graph_step_s" in g else g.get("graph", g.get("error", "")),
+                 f"{g['eager_over_graph']:.1f}" if "eager_over_graph" in g else "",
+                 ("yes" if g["same_argmax"] else "no") if "same_argmax" in g else ""]
+                for k, g in graphed.items() if "eager_step_s" in g]
+        rows += [[k, "", g["error"], "", ""] for k, g in graphed.items() if "eager_step_s" not in g]
+        lines += ["One-token step, bf16, batch 1, static cache: eager against a CUDA-graph replay:", ""]
+        lines += _table(["target", "eager ms", "graph ms", "eager / graph", "same argmax"], rows)
     speed = s.get("speedups", {}).get("targets", {})
     if speed:
         rows = [[f"{k} + {t['draft']}", f"{t['c']:.2f}", r["alpha"], r["mode"], f"{r['acceptance']:.2f}",
                  f"{r['measured_speedup']:.2f}", f"{r['predicted']['pipeline_model']:.2f}",
                  f"{r['predicted']['pipeline_model_with_curve']:.2f}", "yes" if r["matches_plain"] else "no"]
                 for k, t in speed.items() for r in t["runs"]]
-        lines += [f"Speedup over plain decoding at controlled α (γ {s['speedups']['gamma']}, bf16; pipelined: "
+        lines += [f"Speedup over plain decoding at controlled α (γ {s['speedups']['gamma']}, "
+                  f"{s['speedups'].get('dtype', 'bfloat16')}; pipelined: "
                   f"{s['speedups']['pipelined_mode']}):", ""]
         lines += _table(["target + draft", "c", "α", "mode", "accepted", "measured", "model", "model with curve",
                          "output = plain"], rows)

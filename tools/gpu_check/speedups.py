@@ -1,6 +1,6 @@
 """Speedups of the in-process loop at controlled acceptance, against the pipeline model's prediction.
 
-Per target (bf16) with the draft it is served with: a `ControlledOracle` paced by that draft's real-shaped
+Per target (fp32: see below) with the draft it is served with: a `ControlledOracle` paced by that draft's real-shaped
 forward (so c is the draft's) proposes the target's greedy continuation, each token wrong with probability
 1 − α, for α 0.6, 0.8, 0.9, in sequential rounds and pipelined (depth 2, the drafter in a thread of its own
 and, on CUDA, on a stream of its own). Measured: decode tokens/s over plain decoding's (the same loop with
@@ -10,6 +10,12 @@ and, on CUDA, on a stream of its own). Measured: decode tokens/s over plain deco
 - `pipeline_model_with_curve`: the same in units of the round's own verify forward v = T(n) / T(1)
   (n = γ + 1 fed tokens sequentially, γ pipelined): simulate(α, c / v, γ) / v;
 - `closed_form`: `drafts/cost_model.predicted_speedup` with verify_token_cost (v − 1) / γ.
+
+fp32, not bf16: the oracle knows the target's continuation from a plain run, which holds only where verifying
+n tokens gives the same argmax as n single steps. On the H200 in bf16 it did not (cuBLAS picks other kernels
+for 1 and for 5 rows; with random weights the logits are near ties), so the runs drifted off the reference
+and the 1B's acceptance fell to 0.01 at α 0.8 (first device run, 2026-12-04). In fp32 (TF32 off) every
+equality case held, and `matches_plain` checks it again here.
 """
 
 from __future__ import annotations
@@ -77,8 +83,11 @@ def _decode(decoder: SpeculativeDecoder, prompts, params) -> dict:
     return out
 
 
+DTYPE = "float32"
+
+
 def speedup_target(models: Models, name: str, tiny: bool, budget) -> dict:
-    dtype = "bfloat16"
+    dtype = DTYPE
     draft = PAIRS[name]
     runner = TorchModelRunner(models.target(name, dtype), name="target")
     device = runner.device
@@ -123,7 +132,7 @@ def speedup_target(models: Models, name: str, tiny: bool, budget) -> dict:
 
 
 def speedup_section(models: Models, targets: list[str], tiny: bool, budget) -> dict:
-    out: dict = {"alphas": ALPHAS, "gamma": GAMMA, "modes": list(MODES), "pairs": {t: PAIRS[t] for t in targets},
+    out: dict = {"dtype": DTYPE, "alphas": ALPHAS, "gamma": GAMMA, "modes": list(MODES), "pairs": {t: PAIRS[t] for t in targets},
                  "pipelined_mode": "depth 2, overlap (drafter thread), draft on a side CUDA stream on CUDA",
                  "targets": {}}
     for name in targets:

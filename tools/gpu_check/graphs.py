@@ -1,0 +1,87 @@
+"""How much of a decode step is the host launching kernels: the same model's one-token step eager and
+replayed from a CUDA graph.
+
+The first device run (2026-12-04, H200) found the eager runner's step launch-bound: 17.6 ms for
+SmolLM2-135M's shape and 23.6 ms for Llama-3.1-8B's, where streaming the 8B's bf16 weights takes about
+3.4 ms. This section measures what a captured step costs: the transformers model with a `StaticCache`
+(fixed shapes, the cache written in place at `cache_position`), one token at a context of 512, captured
+once with `torch.cuda.graph` and replayed; the eager step with the same cache beside it; the replay's
+logits against the eager step's (the same kernels, so they must agree). On CPU there is no CUDA graph:
+only the eager static-cache step is timed and the report says so.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+from transformers import StaticCache
+
+from tools.gpu_check.costs import context_length
+from tools.gpu_check.shapes import Models
+from tools.gpu_check.timing import median_time, sync
+
+
+def _step(model, cache, ids, pos):
+    """One forward of `ids` [1, n] at positions `pos` [n] writing into the static cache; logits [1, n, V]."""
+    return model(input_ids=ids, past_key_values=cache, cache_position=pos, position_ids=pos[None],
+                 use_cache=True).logits
+
+
+@torch.inference_mode()
+def graphed_step(model, tiny: bool, reps: int) -> dict:
+    device = next(model.parameters()).device
+    n = context_length(tiny)
+    cache = StaticCache(config=model.config, max_cache_len=n + 8)
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, model.config.vocab_size, (1, n), generator=g).to(device)  # [1, n]
+    _step(model, cache, prompt, torch.arange(n, device=device))
+    ids = torch.randint(0, model.config.vocab_size, (1, 1), generator=g).to(device)  # [1, 1]
+    pos = torch.tensor([n], device=device)  # [1]: position n is rewritten by every step
+    eager_s = median_time(lambda: _step(model, cache, ids, pos), device, reps)
+    eager_logits = _step(model, cache, ids, pos).float()  # [1, 1, V]
+    out = {"context": n, "eager_step_s": eager_s, "attention": model.config._attn_implementation}
+    if device.type != "cuda":
+        out["graph"] = "no CUDA graphs on cpu: eager static-cache step only"
+        return out
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
+        for _ in range(3):
+            _step(model, cache, ids, pos)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = _step(model, cache, ids, pos)  # [1, 1, V], rewritten by each replay
+    graph_s = median_time(graph.replay, device, reps * 3)
+    graph.replay()
+    sync(device)
+    diff = (logits.float() - eager_logits).abs().max().item()
+    out.update(graph_step_s=graph_s, eager_over_graph=eager_s / graph_s, max_abs_logit_diff=diff,
+               same_argmax=bool(logits.argmax(-1).eq(eager_logits.argmax(-1)).all()),
+               launch_share_of_eager=1 - graph_s / eager_s)
+    del graph
+    return out
+
+
+def graphed_step_section(models: Models, targets, tiny: bool, budget) -> dict:
+    """Per bf16 target shape: eager vs CUDA-graph one-token step (errors recorded per target)."""
+    out: dict = {"dtype": "bfloat16", "batch": 1, "targets": {}}
+    reps = 3 if tiny else 20
+    for name, dtypes in targets:
+        if "bfloat16" not in dtypes or not budget.allows(f"graphed_step/{name}", 1 if tiny else 15):
+            continue
+        model = models.target(name, "bfloat16")
+        try:
+            out["targets"][name] = graphed_step(model, tiny, reps)
+        except Exception as e:  # a capture that fails on the device is a finding, recorded; then eager attention
+            first = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            attention = model.config._attn_implementation
+            try:
+                model.set_attn_implementation("eager")
+                out["targets"][name] = {**graphed_step(model, tiny, reps), f"{attention}_error": first}
+            except Exception as e2:
+                out["targets"][name] = {**first, "eager_attention_error": f"{type(e2).__name__}: {e2}"}
+            finally:
+                model.set_attn_implementation(attention)
+    return out

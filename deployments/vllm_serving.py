@@ -34,13 +34,14 @@ import time
 import uuid
 from dataclasses import asdict
 
+from cluster.core.config import EAGLE3
 from cluster.core.logprobs import TokenLogprob
 from cluster.core.sampling import SamplingParams
 from cluster.core.stopping import eos_ids
 from cluster.model import models
 from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
-from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params
+from cluster.vllm.engine import eagle3_dir, from_vllm_logprobs, to_vllm_params
 from cluster.vllm.proposer import PROPOSER_CLASS
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens
 from cluster.vllm.worker import WORKER_EXTENSION
@@ -68,9 +69,13 @@ def llm_config(config: TandemAppConfig):
     engine_kwargs = {"dtype": engine.dtype, "max_model_len": vllm.max_model_len, "seed": 0,
                      "tensor_parallel_size": config.tensor_parallel_size, "enforce_eager": not vllm.compile,
                      "worker_extension_cls": WORKER_EXTENSION, "disable_log_stats": False}
-    if config.speculative:
+    if config.speculative and engine.proposer == EAGLE3:  # vLLM's own method on the exported draft, in its step
+        engine_kwargs["speculative_config"] = {"method": "eagle3", "model": str(eagle3_dir(engine.draft)),
+                                               "num_speculative_tokens": engine.num_speculative_tokens}
+    elif config.speculative:
         engine_kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
                                                "num_speculative_tokens": engine_draft_tokens(engine)}
+    if config.speculative:
         engine_kwargs["per_request_spec_decode_metrics"] = "summary"  # each request's drafted / accepted
     engine_kwargs.update(vllm.engine_kwargs)
     env = {"VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"), "HF_HUB_OFFLINE": "1",
@@ -171,9 +176,12 @@ class TandemLLMServer(_server_base()):
         self.pacing = StreamPacing(config.stream_messages_per_s, lambda: self.open_sessions)
         self.drafter = None
         self.speculative = bool(tandem.get("speculative"))  # the rest of `tandem` is there when speculative
+        # vLLM's own method (proposer 'eagle3'): no tandem proposer in the worker, no drafter, one γ for all requests
+        self.vllm_method = tandem.get("vllm_method", "custom_class") if self.speculative else None
+        self.tandem_proposer = self.vllm_method == "custom_class"
         matches = InlineMatches.model_validate(tandem["matches"]) if tandem.get("matches") else None
         name = None
-        if self.speculative and tandem.get("drafter", True):  # the drafter loads its model while vLLM starts
+        if self.tandem_proposer and tandem.get("drafter", True):  # the drafter loads its model while vLLM starts
 
             context = serve.get_replica_context()
             name = f"tandem-vllm-drafter-{context.app_name}-{context.replica_id.unique_id}"
@@ -184,7 +192,7 @@ class TandemLLMServer(_server_base()):
                 resources=placement.get("resources"), scheduling_strategy="DEFAULT",  # not in the replica's group
                 max_restarts=-1)
         await super().__init__(llm_config, **kwargs)
-        if self.speculative:
+        if self.tandem_proposer:
             tuning = {k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first", "max_k")}
             if self.drafter is not None:
                 await self.drafter.ready.remote()
@@ -203,8 +211,8 @@ class TandemLLMServer(_server_base()):
             ("model", "kind"))
         self.proposer_rows.set_default_tags({"model": llm_config.model_id})
         self._last_stats: dict[str, int] = {}
-        log.info("vLLM verifier replica: speculative %s, rejection-sampler fix %s", self.speculative,
-                 self.fix.get("state"))
+        log.info("vLLM verifier replica: speculative %s (%s), rejection-sampler fix %s", self.speculative,
+                 self.vllm_method, self.fix.get("state"))
 
     async def generate_tokens(self, session: str, prompt_ids: list[int], sampling: SamplingParams,
                               max_speculative_tokens: int | None = None):
@@ -216,6 +224,10 @@ class TandemLLMServer(_server_base()):
         if self.speculative and not sampling.greedy and self.fix.get("state") not in ("applied", "not needed"):
             yield ErrorChunk("invalid_request_error", f"sampled speculative decoding is refused on this vLLM "
                                                       f"({self.fix}); use temperature 0")
+            return
+        if self.vllm_method == "eagle3" and max_speculative_tokens is not None and sampling.max_tokens != 0:
+            yield ErrorChunk("invalid_request_error", "num_speculative_tokens: this server drafts with vLLM's eagle3 "
+                                                      "method, whose draft length is fixed for every request; leave it out")
             return
         self.open_sessions += 1
         started = None
@@ -325,7 +337,7 @@ class TandemLLMServer(_server_base()):
                 await stream.aclose()
 
     async def _record_proposer(self) -> None:
-        if not self.speculative:
+        if not self.tandem_proposer:
             return
         try:  # bounded: the engine answers between steps, and a health check must not wait on metrics
             stats = (await asyncio.wait_for(self.collective_rpc("tandem_stats"), PROPOSER_STATS_TIMEOUT_S))[0]
@@ -339,7 +351,7 @@ class TandemLLMServer(_server_base()):
             self._last_stats[kind] = int(stats.get(kind, 0))
 
     async def proposer_stats(self) -> dict:
-        return (await self.collective_rpc("tandem_stats"))[0] if self.speculative else {}
+        return (await self.collective_rpc("tandem_stats"))[0] if self.tandem_proposer else {}
 
     async def drafter_stats(self) -> dict:
         return await self.drafter.stats.remote() if self.drafter is not None else {}

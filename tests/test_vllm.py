@@ -26,7 +26,7 @@ from cluster.model.models import encode_prompt
 from cluster.session.speculate import validate_request  # noqa: E402
 from cluster.vllm import engine as ve  # noqa: E402
 from cluster.vllm import patch  # noqa: E402
-from cluster.vllm.engine import RemoteDrafter, VLLMEngine, drafter_spec  # noqa: E402
+from cluster.vllm.engine import RemoteDrafter, VLLMEngine, build_vllm_decoder, drafter_spec  # noqa: E402
 from cluster.vllm.proposer import TandemProposer  # noqa: E402
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, engine_draft_tokens, inline_matches  # noqa: E402
 from deployments.cli import main  # noqa: E402
@@ -621,7 +621,11 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
     out = export_vllm(draft, tmp_path / "eagle3")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     del target, draft, hidden, optimizer, p, logits, loss  # the torch copies, before a third engine starts
-    engine = VLLMEngine(path, dtype="float32", method="eagle3", num_speculative_tokens=gamma, eagle3_dir=str(out))
+    # through tandem's engine config, as `tandem generate --engine vllm --proposer eagle3 --draft DIR` builds it
+    decoder = build_vllm_decoder(EngineConfig(target=str(path), backend="vllm", proposer="eagle3", draft=str(out),
+                                              num_speculative_tokens=gamma, dtype="float32"))
+    engine = decoder.engine
+    assert engine.method == "eagle3" and decoder.stats()["proposer"] == {}  # vLLM's method: no tandem proposer
     try:
         counted = []
         for name in prompts:  # one at a time: vLLM's counters per prompt

@@ -495,3 +495,41 @@ def test_echo_and_prompt_logprobs_are_vllms(client, tokenizer, target_fp32):
     """`echo`, `max_tokens: 0` and `prompt_logprobs` as on the torch engine: vLLM's prompt logprobs (it serves
     them with speculative decoding), fp32 within 2e-3 of transformers' (another kernel)."""
     assert_echo_and_scoring(client, MODEL, tokenizer, target_fp32, tol=2e-3)
+
+
+def test_eagle3_route_serves_the_targets_tokens(server, target_fp32, prompt_ids, references, tmp_path):
+    """Proposer 'eagle3' (backend vllm): vLLM's own EAGLE-3 method runs a draft `export_vllm` wrote inside its
+    step, through tandem's replicas, with no drafter. The draft here is untrained: the route and losslessness
+    are checked, not α. A per-request draft cap is refused (vLLM's method drafts one length for every
+    request); a directory that is no EAGLE-3 export, or the torch backend, is a clear config error."""
+    import torch
+    from ray import serve
+
+    from deployments.builder import build_app
+    from drafts.eagle3_model import Eagle3Draft, export_vllm
+
+    with pytest.raises(ConfigError, match="eagle3"):
+        build_app({"engine": {"backend": "vllm", "proposer": "eagle3", "draft": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="backend 'vllm'"):
+        TandemAppConfig.build({"engine": {"backend": "torch", "proposer": "eagle3"}})
+    torch.manual_seed(0)
+    out = export_vllm(Eagle3Draft(target_fp32, torch.arange(4096)), tmp_path / "eagle3")
+    serve.run(build_app({"engine": {"backend": "vllm", "dtype": "float32", "proposer": "eagle3", "draft": str(out),
+                                    "num_speculative_tokens": 3, "threads": 1},
+                         "api_keys": [API_KEY], "vllm": {"kv_cache_space_gib": 1, "compile": False}}),
+              name="e3", route_prefix="/e3")
+    try:
+        e3 = openai.OpenAI(base_url=server.http + "/e3/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        for i in (0, 2):
+            r = e3.completions.create(model=MODEL, prompt=PROMPTS[i][0], max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"return_token_ids": True})
+            assert r.choices[0].model_extra["token_ids"] == _ref(references, prompt_ids, i), i
+            spec = r.model_extra["speculation"]  # vLLM's per-request figures for its EAGLE-3 drafts
+            assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"], spec
+        with pytest.raises(openai.BadRequestError, match="eagle3"):
+            e3.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=4, temperature=0,
+                                  extra_body={"num_speculative_tokens": 1})
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        assert not any(n.startswith("tandem-vllm-drafter-e3-") for n in names), names
+    finally:
+        serve.delete("e3")

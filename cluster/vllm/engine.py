@@ -44,7 +44,7 @@ def _env_defaults() -> None:
 
 _env_defaults()  # before anything imports vllm
 
-from cluster.core.config import EngineConfig  # noqa: E402
+from cluster.core.config import EAGLE3, EngineConfig  # noqa: E402
 from cluster.core.errors import ConfigError, InvalidRequestError  # noqa: E402
 from cluster.core.grammar import StructuredOutputs  # noqa: E402
 from cluster.core.logprobs import TokenLogprob  # noqa: E402
@@ -267,6 +267,20 @@ class VLLMEngine:
 # -- building from tandem's engine config ------------------------------------------------------------------
 
 
+def eagle3_dir(draft: str) -> Path:
+    """The directory of proposer 'eagle3''s draft: one `drafts.eagle3_model.export_vllm` wrote (vLLM's EAGLE-3
+    checkpoint: config.json with `LlamaForCausalLMEagle3` and model.safetensors)."""
+    path = Path(draft).expanduser()
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        architectures = None
+    if architectures is None or not any("Eagle3" in a for a in architectures) or not (path / "model.safetensors").is_file():
+        raise ConfigError(f"proposer 'eagle3' needs engine.draft to be a directory drafts.eagle3_model.export_vllm "
+                          f"wrote (config.json with an Eagle3 architecture and model.safetensors); got {draft!r}")
+    return path.resolve()
+
+
 def drafter_spec(config: EngineConfig) -> DrafterSpec | None:
     """The in-worker drafts for an `EngineConfig`, None for proposer 'none': proposers 'ngram' (prompt
     lookup) and 'suffix' (priced matches) are made by the proposer itself in vLLM's step (`InlineMatches`,
@@ -316,7 +330,11 @@ class VLLMDecoder:
     def __init__(self, config, distributed: bool = False, **engine_kwargs):
         self.remote = None
         spec = None
-        if config.proposer != "none" and config.num_speculative_tokens > 0:
+        method = "tandem"
+        eagle3 = None
+        if config.proposer == EAGLE3 and config.num_speculative_tokens > 0:  # vLLM's own method, no drafter
+            method, eagle3 = "eagle3", str(eagle3_dir(config.draft))
+        elif config.proposer != "none" and config.num_speculative_tokens > 0:
             if distributed and config.proposer not in INLINE_ONLY:  # free drafts are made in vLLM's step either way
                 self.remote = RemoteDrafter(config)
                 spec = self.remote.spec(config)
@@ -324,9 +342,9 @@ class VLLMDecoder:
                 spec = drafter_spec(config)
         try:
             self.engine = VLLMEngine(config.target, dtype=config.dtype, cache_dir=config.cache_dir,
-                                     method="tandem" if spec is not None else None,
+                                     method=method if spec is not None or eagle3 else None,
                                      num_speculative_tokens=engine_draft_tokens(config), drafter=spec,
-                                     **engine_kwargs)
+                                     eagle3_dir=eagle3, **engine_kwargs)
         except BaseException:
             if self.remote is not None:
                 self.remote.shutdown()

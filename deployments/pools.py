@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -224,10 +225,25 @@ class VerifierPool:
         return {"sessions": float(self.sessions())}
 
     def check_health(self) -> None:
-        if self.rank0.broken():  # its collectives failed: Serve replaces the replica, followers and all
-            raise RuntimeError(self.rank0.broken())
+        """A replica whose tensor-parallel group is gone for good (rank 0's collectives failed, or a follower
+        rank died) ends its own process: Serve replaces a crashed replica at once, where a health check
+        that raises is counted three times, ten seconds apart, before the replacement starts (~30 s more of
+        a replica that refuses every session). Its followers are its own actors and end with it. A follower
+        that is only slow to answer fails this check, and Serve counts that as usual."""
+        reason = self.rank0.broken()
         for follower in self.followers:
-            ray.get(follower.pid.remote(), timeout=30)  # a dead rank fails the replica; Serve replaces it
+            if reason:
+                break
+            try:
+                ray.get(follower.pid.remote(), timeout=30)
+            except ray.exceptions.RayActorError as e:
+                reason = f"follower rank died: {type(e).__name__}"
+        if reason:
+            log.error("verifier replica %s: its tensor-parallel group cannot serve (%s); ending the replica so "
+                      "that Serve replaces it now", serve.get_replica_context().replica_id.unique_id, reason)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(1)
 
 
 class DrafterPool:

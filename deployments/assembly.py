@@ -14,7 +14,8 @@ from deployments.ingress import Ingress
 def deployment_options(spec: DeploymentSpec, name: str, policy: str | None = None) -> dict:
     """Serve's options for a deployment `spec` describes (replicas or autoscaling with `policy`, queues)."""
     return {"name": name, "max_ongoing_requests": spec.max_ongoing_requests,
-            "max_queued_requests": spec.max_queued_requests, **spec.replica_options(policy)}
+            "max_queued_requests": spec.max_queued_requests, "health_check_period_s": spec.health_check_period_s,
+            **spec.replica_options(policy)}
 
 
 def router_options(config: TandemAppConfig) -> dict:

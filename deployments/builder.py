@@ -43,14 +43,14 @@ def build_app(config: TandemAppConfig | dict | None = None) -> Application:
                            **({"accelerator_type": rank.accelerator_type} if rank.accelerator_type else {})},
         **({"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
            if config.tensor_parallel_size > 1 else {}),
-        health_check_period_s=10, graceful_shutdown_timeout_s=30,
+        graceful_shutdown_timeout_s=30,
     ).bind(engine, config.tensor_parallel_size, rank.model_dump(mode="json"))
 
     drafter = None
     if config.speculative:
         drafter = serve.deployment(DrafterPool).options(
             **deployment_options(config.drafter, "DrafterPool", SESSION_POOL_POLICY),
-            ray_actor_options={"num_cpus": 0}, health_check_period_s=10,
+            ray_actor_options={"num_cpus": 0},
         ).bind(engine, config.drafter.placement.model_dump(mode="json"))
 
     router = serve.deployment(RouterDeployment).options(**router_options(config)).bind(plain, drafter, verifier)

@@ -65,6 +65,7 @@ class DeploymentSpec(BaseModel):
     max_queued_requests: int = Field(-1, ge=-1, description="Requests that may wait for a replica beyond `max_ongoing_requests` (per caller; -1: unbounded). For the router this is the admission bound: past it a request is refused at once (HTTP 503 with Retry-After, gRPC RESOURCE_EXHAUSTED).")
     placement: PlacementConfig = Field(default_factory=lambda: PlacementConfig(num_cpus=0.0),
                                        description="Resources per replica (per rank for the verifier pool; of the drafter actor for the drafter).")
+    health_check_period_s: float = Field(10.0, gt=0, le=600, description="How often Serve checks each replica (its `health_check_period_s`): a replica whose process died is replaced at the first check after its death, one that fails its check after three in a row.")
 
     def replica_options(self, policy: str | None = None) -> dict[str, Any]:
         if self.autoscaling is not None:

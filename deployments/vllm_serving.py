@@ -88,7 +88,7 @@ def llm_config(config: TandemAppConfig):
     deployment = {"max_ongoing_requests": spec.max_ongoing_requests, "max_queued_requests": queued,
                   # Serve LLM's own health-check timeout is 10 s: a CPU replica busy stepping (a drafter being
                   # replaced, another job on the machine) can take longer to answer, and three misses stop it
-                  "health_check_period_s": 10, "health_check_timeout_s": 60, "ray_actor_options": {"num_cpus": 0},
+                  "health_check_period_s": spec.health_check_period_s, "health_check_timeout_s": 60, "ray_actor_options": {"num_cpus": 0},
                   **spec.replica_options()}
     return LLMConfig(model_loading_config={"model_id": config.model_id, "model_source": str(path)},
                      callback_config={"callback_class": LOCAL_MODEL_CALLBACK},

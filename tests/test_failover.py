@@ -16,9 +16,11 @@ import httpx
 import openai
 import pytest
 import ray
+import yaml
 
 from cluster.core.sampling import SamplingParams
 from deployments.chunks import SessionProgress, TokensChunk
+from deployments.serving import DEFAULT_CONFIG
 from protos import pb, rpc
 from tests.helpers import SERVE_PROMPTS, serve_app
 
@@ -30,12 +32,17 @@ PROMPTS = SERVE_PROMPTS + [
     ("import os\n\ndef list_files(path):\n", False),
 ]
 MAX_RESUMES = 1
+HEALTH_CHECK_PERIOD_S = 2.0
 
 
 @pytest.fixture(scope="module")
 def server():
+    # Serve checks each replica every 2 s (the default is 10): a killed replica is replaced that much sooner
+    args = yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["args"]
+    checks = {part: {**args[part], "health_check_period_s": HEALTH_CHECK_PERIOD_S}
+              for part in ("ingress", "router", "drafter", "verifier")}
     with serve_app(engine={"dtype": "float32", "proposer": "draft", "num_speculative_tokens": 3, "threads": 1},
-                   failover={"max_resumes": MAX_RESUMES, "resume_delay_s": 0.2}) as endpoints:
+                   failover={"max_resumes": MAX_RESUMES, "resume_delay_s": 0.2}, **checks) as endpoints:
         yield endpoints
 
 
@@ -401,3 +408,17 @@ def test_greedy_is_repeatable_alone_and_in_a_batch(server, client):
     with ThreadPoolExecutor(8) as pool:
         batch = list(pool.map(ask, [PROMPTS[6][0]] * 4 + [p for p, _ in PROMPTS[:4]]))
     assert batch[:4] == [alone] * 4
+
+
+def test_health_check_period_reaches_each_deployment():
+    """`health_check_period_s` per deployment goes to Serve's options (the server above sets 2 s for all four);
+    Serve's own 10 s where it is not set."""
+    from deployments.assembly import deployment_options, router_options
+    from deployments.config import TandemAppConfig
+    from deployments.vllm_serving import llm_config
+
+    config = TandemAppConfig.build({"router": {"health_check_period_s": 2}, "verifier": {"health_check_period_s": 3}})
+    assert router_options(config)["health_check_period_s"] == 2
+    assert deployment_options(config.verifier, "VerifierPool")["health_check_period_s"] == 3
+    assert deployment_options(config.drafter, "DrafterPool")["health_check_period_s"] == 10
+    assert llm_config(config.with_backend("vllm")).deployment_config["health_check_period_s"] == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -101,11 +102,39 @@ def prompt_ids(request, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def references(request, target_fp32, prompt_ids):
-    """transformers' greedy output for each of the module's prompts, MAX_TOKENS long."""
+def references(request, target_fp32, prompt_ids, model_dir):
+    """transformers' greedy output for each of the module's prompts, MAX_TOKENS long. Computed by transformers
+    in this run or an earlier one: kept in pytest's cache (shared by the xdist workers), keyed by the model
+    directory's config and weights, the torch and transformers versions and each prompt, so that the modules
+    that decode the same prompts compute them once. A longer reference serves a shorter request: greedy
+    output of N tokens is the first N of a longer run's (both stop at the same EOS)."""
+    import hashlib
+    import json
+
+    import transformers
+
     from tests.helpers import greedy_references
 
-    return greedy_references(target_fp32, prompt_ids, request.module.MAX_TOKENS)
+    max_tokens = request.module.MAX_TOKENS
+    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).iterdir() if p.is_file())
+    model_key = hashlib.sha256(json.dumps([str(model_dir), (Path(model_dir) / "config.json").read_text(), weights,
+                                           torch.__version__, transformers.__version__]).encode()).hexdigest()[:16]
+    cache = request.config.cache
+    out, missing = {}, []
+    for ids in prompt_ids:
+        key = f"tandem/references/{model_key}/{hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}"
+        entry = cache.get(key, None)
+        if entry and (entry["max_tokens"] >= max_tokens or len(entry["tokens"]) < entry["max_tokens"]):
+            out[tuple(ids)] = entry["tokens"][:max_tokens]  # a run that ended at EOS before its limit is complete
+        else:
+            missing.append((ids, key))
+    if missing:
+        computed = greedy_references(target_fp32, [ids for ids, _ in missing], max_tokens)
+        for ids, key in missing:
+            tokens = computed[tuple(ids)]
+            cache.set(key, {"max_tokens": max_tokens, "tokens": tokens})
+            out[tuple(ids)] = tokens
+    return out
 
 
 @pytest.fixture()

@@ -14,6 +14,7 @@ from drafts.eagle3_model import Eagle3Draft, fusion_layers, load_eagle3
 from tests.helpers import tiny_llama
 from tools.draftdata.shards import Manifest, ShardData, ShardRecord, write_shard
 from tools.eagle3 import CURVE, Eagle3Config, ttt_forward, ttt_mask, train
+from tools.eagle3_export_checkpoint import export_checkpoint
 
 
 def test_ttt_mask_is_what_a_drafting_round_sees():
@@ -127,6 +128,13 @@ def test_training_lowers_the_loss_resumes_and_exports(tmp_path):
         trained.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=False)["draft"])
         a, b = ttt_forward(target, loaded, ids, 2)[1], ttt_forward(target, trained.eval(), ids, 2)[1]
     torch.testing.assert_close(a[1], b[1], atol=0.05, rtol=0.05)  # bf16 export
+    # a checkpoint exported mid-run in vLLM's layout (tools.eagle3_export_checkpoint)
+    from safetensors.torch import load_file
+
+    exported, step = export_checkpoint(out / "checkpoint.pt", tmp_path / "vllm", target)
+    assert step == 30 and json.loads((exported / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    torch.testing.assert_close(load_file(exported / "model.safetensors")["fc.weight"].float(), trained.fc.weight,
+                               atol=0.02, rtol=0.02)
 
 
 def test_a_run_without_data_is_refused(tmp_path):

@@ -230,20 +230,23 @@ class VerifierPool:
         that raises is counted three times, ten seconds apart, before the replacement starts (~30 s more of
         a replica that refuses every session). Its followers are its own actors and end with it. A follower
         that is only slow to answer fails this check, and Serve counts that as usual."""
-        reason = self.rank0.broken()
-        for follower in self.followers:
-            if reason:
-                break
-            try:
-                ray.get(follower.pid.remote(), timeout=30)
-            except ray.exceptions.RayActorError as e:
-                reason = f"follower rank died: {type(e).__name__}"
+        reason = self.rank0.broken() or self._dead_follower()
         if reason:
             log.error("verifier replica %s: its tensor-parallel group cannot serve (%s); ending the replica so "
                       "that Serve replaces it now", serve.get_replica_context().replica_id.unique_id, reason)
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os._exit(1)
+
+
+    def _dead_follower(self) -> str | None:
+        """Why a follower rank is gone (None while every one answers; a slow one raises its timeout)."""
+        for follower in self.followers:
+            try:
+                ray.get(follower.pid.remote(), timeout=30)
+            except ray.exceptions.RayActorError as e:
+                return f"follower rank died: {type(e).__name__}"
+        return None
 
 
 class DrafterPool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.core.config import EAGLE3
 from cluster.vllm.protocol import INLINE_ONLY, inline_matches
 from deployments.assembly import ingress_deployment
 from deployments.config import TandemAppConfig
@@ -81,7 +80,6 @@ def build_vllm_app(config: TandemAppConfig):
     engine.update(backend="torch")  # the drafter's own models run on tandem's runner
     matches = inline_matches(config.engine)
     tandem = {"config": plain, "speculative": config.speculative, "engine": engine,
-              "vllm_method": "eagle3" if config.engine.proposer == EAGLE3 else "custom_class",
               # proposers ngram and suffix draft in vLLM's step only; the hybrid's long matches too, its other rounds remotely
               "drafter": config.engine.proposer not in INLINE_ONLY, "max_k": config.engine.num_speculative_tokens,
               "matches": matches.model_dump(mode="json") if matches else None,

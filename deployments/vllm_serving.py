@@ -41,7 +41,7 @@ from cluster.core.stopping import eos_ids
 from cluster.model import models
 from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
-from cluster.vllm.engine import eagle3_dir, from_vllm_logprobs, to_vllm_params
+from cluster.vllm.engine import checked_eagle3_dir, from_vllm_logprobs, to_vllm_params
 from cluster.vllm.proposer import PROPOSER_CLASS
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens
 from cluster.vllm.worker import WORKER_EXTENSION
@@ -70,7 +70,7 @@ def llm_config(config: TandemAppConfig):
                      "tensor_parallel_size": config.tensor_parallel_size, "enforce_eager": not vllm.compile,
                      "worker_extension_cls": WORKER_EXTENSION, "disable_log_stats": False}
     if config.speculative and engine.proposer == EAGLE3:  # vLLM's own method on the exported draft, in its step
-        engine_kwargs["speculative_config"] = {"method": "eagle3", "model": str(eagle3_dir(engine.draft)),
+        engine_kwargs["speculative_config"] = {"method": "eagle3", "model": str(checked_eagle3_dir(engine.draft)),
                                                "num_speculative_tokens": engine.num_speculative_tokens}
     elif config.speculative:
         engine_kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
@@ -177,8 +177,7 @@ class TandemLLMServer(_server_base()):
         self.drafter = None
         self.speculative = bool(tandem.get("speculative"))  # the rest of `tandem` is there when speculative
         # vLLM's own method (proposer 'eagle3'): no tandem proposer in the worker, no drafter, one γ for all requests
-        self.vllm_method = tandem.get("vllm_method", "custom_class") if self.speculative else None
-        self.tandem_proposer = self.vllm_method == "custom_class"
+        self.vllm_method = None if not self.speculative else "eagle3" if config.engine.proposer == EAGLE3 else "custom_class"
         matches = InlineMatches.model_validate(tandem["matches"]) if tandem.get("matches") else None
         name = None
         if self.tandem_proposer and tandem.get("drafter", True):  # the drafter loads its model while vLLM starts
@@ -213,6 +212,11 @@ class TandemLLMServer(_server_base()):
         self._last_stats: dict[str, int] = {}
         log.info("vLLM verifier replica: speculative %s (%s), rejection-sampler fix %s", self.speculative,
                  self.vllm_method, self.fix.get("state"))
+
+    @property
+    def tandem_proposer(self) -> bool:
+        """Whether vLLM's worker runs tandem's proposer (`custom_class`): its drafter, configuration and counters."""
+        return self.vllm_method == "custom_class"
 
     async def generate_tokens(self, session: str, prompt_ids: list[int], sampling: SamplingParams,
                               max_speculative_tokens: int | None = None):

@@ -101,28 +101,36 @@ def prompt_ids(request, tokenizer):
     return [encode_prompt(tokenizer, text, chat) for text, chat in request.module.PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def references(request, target_fp32, prompt_ids, model_dir):
-    """transformers' greedy output for each of the module's prompts, MAX_TOKENS long. Computed by transformers
-    in this run or an earlier one: kept in pytest's cache (shared by the xdist workers), keyed by the model
-    directory's config and weights, the torch and transformers versions and each prompt, so that the modules
-    that decode the same prompts compute them once. A longer reference serves a shorter request: greedy
-    output of N tokens is the first N of a longer run's (both stop at the same EOS)."""
+@pytest.fixture(scope="session")
+def references_key(model_dir):
+    """What transformers' greedy references depend on besides the prompt: the model's files, torch and transformers."""
     import hashlib
     import json
 
     import transformers
 
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).iterdir() if p.is_file())
+    return hashlib.sha256(json.dumps([str(model_dir), (Path(model_dir) / "config.json").read_text(), files,
+                                      torch.__version__, transformers.__version__]).encode()).hexdigest()[:16]
+
+
+@pytest.fixture(scope="module")
+def references(request, target_fp32, prompt_ids, references_key):
+    """transformers' greedy output for each of the module's prompts, MAX_TOKENS long. Computed by transformers
+    in this run or an earlier one: kept in pytest's cache (shared by the xdist workers), keyed by
+    `references_key` and each prompt, so that the modules that decode the same prompts compute them once. A
+    longer reference serves a shorter request: greedy output of N tokens is the first N of a longer run's (both
+    stop at the same EOS)."""
+    import hashlib
+    import json
+
     from tests.helpers import greedy_references
 
     max_tokens = request.module.MAX_TOKENS
-    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).iterdir() if p.is_file())
-    model_key = hashlib.sha256(json.dumps([str(model_dir), (Path(model_dir) / "config.json").read_text(), weights,
-                                           torch.__version__, transformers.__version__]).encode()).hexdigest()[:16]
     cache = request.config.cache
     out, missing = {}, []
     for ids in prompt_ids:
-        key = f"tandem/references/{model_key}/{hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}"
+        key = f"tandem/references/{references_key}/{hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}"
         entry = cache.get(key, None)
         if entry and (entry["max_tokens"] >= max_tokens or len(entry["tokens"]) < entry["max_tokens"]):
             out[tuple(ids)] = entry["tokens"][:max_tokens]  # a run that ended at EOS before its limit is complete

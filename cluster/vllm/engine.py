@@ -134,9 +134,8 @@ class VLLMEngine:
         exported draft for `method="eagle3"`. `llm_kwargs` go to `vllm.LLM` as they are (e.g. `gpu_memory_utilization`)."""
         if method not in METHODS:
             raise ConfigError(f"unknown vLLM speculative method {method!r}; choose one of {METHODS}")
-        if method == "eagle3" and not (eagle3_dir and (Path(eagle3_dir) / "config.json").is_file()):
-            raise ConfigError(f"method 'eagle3' needs eagle3_dir, a directory drafts.eagle3_model.export_vllm wrote "
-                              f"(got {eagle3_dir!r})")
+        if method == "eagle3":
+            eagle3_dir = str(checked_eagle3_dir(eagle3_dir, "eagle3_dir"))
         if method is not None and num_speculative_tokens < 1:
             method = None
         _env_defaults()
@@ -267,16 +266,16 @@ class VLLMEngine:
 # -- building from tandem's engine config ------------------------------------------------------------------
 
 
-def eagle3_dir(draft: str) -> Path:
-    """The directory of proposer 'eagle3''s draft: one `drafts.eagle3_model.export_vllm` wrote (vLLM's EAGLE-3
-    checkpoint: config.json with `LlamaForCausalLMEagle3` and model.safetensors)."""
-    path = Path(draft).expanduser()
+def checked_eagle3_dir(draft: str | os.PathLike | None, field: str = "engine.draft") -> Path:
+    """vLLM's `eagle3` method's draft: a directory `drafts.eagle3_model.export_vllm` wrote (config.json with an
+    Eagle3 architecture, model.safetensors), resolved; a ConfigError naming `field` otherwise."""
+    path = Path(draft or "").expanduser()
     try:
         architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError):
-        architectures = None
-    if architectures is None or not any("Eagle3" in a for a in architectures) or not (path / "model.safetensors").is_file():
-        raise ConfigError(f"proposer 'eagle3' needs engine.draft to be a directory drafts.eagle3_model.export_vllm "
+        architectures = []
+    if not draft or not any("Eagle3" in a for a in architectures) or not (path / "model.safetensors").is_file():
+        raise ConfigError(f"vLLM's eagle3 method needs {field} to be a directory drafts.eagle3_model.export_vllm "
                           f"wrote (config.json with an Eagle3 architecture and model.safetensors); got {draft!r}")
     return path.resolve()
 
@@ -330,11 +329,8 @@ class VLLMDecoder:
     def __init__(self, config, distributed: bool = False, **engine_kwargs):
         self.remote = None
         spec = None
-        method = "tandem"
-        eagle3 = None
-        if config.proposer == EAGLE3 and config.num_speculative_tokens > 0:  # vLLM's own method, no drafter
-            method, eagle3 = "eagle3", str(eagle3_dir(config.draft))
-        elif config.proposer != "none" and config.num_speculative_tokens > 0:
+        eagle3 = config.proposer == EAGLE3 and config.num_speculative_tokens > 0  # vLLM's own method, no drafter
+        if not eagle3 and config.proposer != "none" and config.num_speculative_tokens > 0:
             if distributed and config.proposer not in INLINE_ONLY:  # free drafts are made in vLLM's step either way
                 self.remote = RemoteDrafter(config)
                 spec = self.remote.spec(config)
@@ -342,9 +338,9 @@ class VLLMDecoder:
                 spec = drafter_spec(config)
         try:
             self.engine = VLLMEngine(config.target, dtype=config.dtype, cache_dir=config.cache_dir,
-                                     method=method if spec is not None or eagle3 else None,
+                                     method="eagle3" if eagle3 else "tandem" if spec is not None else None,
                                      num_speculative_tokens=engine_draft_tokens(config), drafter=spec,
-                                     eagle3_dir=eagle3, **engine_kwargs)
+                                     eagle3_dir=config.draft if eagle3 else None, **engine_kwargs)
         except BaseException:
             if self.remote is not None:
                 self.remote.shutdown()

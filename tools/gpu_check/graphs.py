@@ -72,16 +72,20 @@ def graphed_step_section(models: Models, targets, tiny: bool, budget) -> dict:
         if "bfloat16" not in dtypes or not budget.allows(f"graphed_step/{name}", 1 if tiny else 15):
             continue
         model = models.target(name, "bfloat16")
-        try:
-            out["targets"][name] = graphed_step(model, tiny, reps)
-        except Exception as e:  # a capture that fails on the device is a finding, recorded; then eager attention
-            first = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-            attention = model.config._attn_implementation
-            try:
-                model.set_attn_implementation("eager")
-                out["targets"][name] = {**graphed_step(model, tiny, reps), f"{attention}_error": first}
-            except Exception as e2:
-                out["targets"][name] = {**first, "eager_attention_error": f"{type(e2).__name__}: {e2}"}
-            finally:
-                model.set_attn_implementation(attention)
+        attention, errors = model.config._attn_implementation, {}
+        try:  # a capture that fails on the device is a finding, recorded; then eager attention is tried
+            for implementation in (attention, "eager"):
+                model.set_attn_implementation(implementation)
+                try:
+                    out["targets"][name] = graphed_step(model, tiny, reps)
+                    break
+                except Exception as e:
+                    errors[f"{implementation}_error"] = {"error": f"{type(e).__name__}: {e}",
+                                                         "traceback": traceback.format_exc()[-3000:]}
+        finally:
+            model.set_attn_implementation(attention)
+        if name not in out["targets"]:
+            out["targets"][name] = {"error": f"no CUDA graph with {attention} or eager attention", **errors}
+        elif errors:
+            out["targets"][name].update(errors)
     return out

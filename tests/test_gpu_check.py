@@ -100,6 +100,9 @@ def test_tiny_run_times_the_static_cache_step_and_says_there_is_no_graph_on_cpu(
     assert set(g["targets"]) == {"smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"}
     for target in g["targets"].values():
         assert _positive(target["eager_step_s"]) and "no CUDA graphs on cpu" in target["graph"]
+        # every timed step rewrote the slot after the prompt: the cache did not run on (the first device run
+        # ran off its end, transformers' static layers advancing their own cursor)
+        assert target["cache_length_after_steps"] == target["context"] + 1
 
 
 def test_sections_runs_only_those_asked_and_rejects_unknown_ones(tmp_path):

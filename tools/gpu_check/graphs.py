@@ -22,8 +22,21 @@ from tools.gpu_check.shapes import Models
 from tools.gpu_check.timing import median_time, sync
 
 
-def _step(model, cache, ids, pos):
-    """One forward of `ids` [1, n] at positions `pos` [n] writing into the static cache; logits [1, n, V]."""
+def _rewind(cache, length: int) -> None:
+    """Set each static layer's own write cursor to `length`. transformers 5.x's `StaticLayer.update` writes at
+    its `cumulative_length` (a tensor it advances) and ignores `cache_position`: without this each timed step
+    moves one slot on and runs off the cache's end (on CUDA, a device-side assert in `index_copy_`: the first
+    device run of this section). `fill_` is a kernel, so a captured graph rewinds too."""
+    for layer in getattr(cache, "layers", ()):
+        cursor = getattr(layer, "cumulative_length", None)
+        if isinstance(cursor, torch.Tensor):
+            cursor.fill_(length)
+
+
+def _step(model, cache, ids, pos, start: int):
+    """One forward of `ids` [1, k] at positions `pos` [k] (= start + arange(k)) writing into the static cache;
+    logits [1, k, V]."""
+    _rewind(cache, start)
     return model(input_ids=ids, past_key_values=cache, cache_position=pos, position_ids=pos[None],
                  use_cache=True).logits
 
@@ -35,12 +48,13 @@ def graphed_step(model, tiny: bool, reps: int) -> dict:
     cache = StaticCache(config=model.config, max_cache_len=n + 8)
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, model.config.vocab_size, (1, n), generator=g).to(device)  # [1, n]
-    _step(model, cache, prompt, torch.arange(n, device=device))
+    _step(model, cache, prompt, torch.arange(n, device=device), 0)
     ids = torch.randint(0, model.config.vocab_size, (1, 1), generator=g).to(device)  # [1, 1]
     pos = torch.tensor([n], device=device)  # [1]: position n is rewritten by every step
-    eager_s = median_time(lambda: _step(model, cache, ids, pos), device, reps)
-    eager_logits = _step(model, cache, ids, pos).float()  # [1, 1, V]
-    out = {"context": n, "eager_step_s": eager_s, "attention": model.config._attn_implementation}
+    eager_s = median_time(lambda: _step(model, cache, ids, pos, n), device, reps)
+    eager_logits = _step(model, cache, ids, pos, n).float()  # [1, 1, V]
+    out = {"context": n, "eager_step_s": eager_s, "attention": model.config._attn_implementation,
+           "cache_length_after_steps": int(cache.get_seq_length())}  # n + 1 when every step wrote slot n
     if device.type != "cuda":
         out["graph"] = "no CUDA graphs on cpu: eager static-cache step only"
         return out
@@ -48,14 +62,15 @@ def graphed_step(model, tiny: bool, reps: int) -> dict:
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
         for _ in range(3):
-            _step(model, cache, ids, pos)
+            _step(model, cache, ids, pos, n)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        logits = _step(model, cache, ids, pos)  # [1, 1, V], rewritten by each replay
+        logits = _step(model, cache, ids, pos, n)  # [1, 1, V], rewritten by each replay
     graph_s = median_time(graph.replay, device, reps * 3)
     graph.replay()
     sync(device)
+    out["cache_length_after_replays"] = int(cache.get_seq_length())
     diff = (logits.float() - eager_logits).abs().max().item()
     out.update(graph_step_s=graph_s, eager_over_graph=eager_s / graph_s, max_abs_logit_diff=diff,
                same_argmax=bool(logits.argmax(-1).eq(eager_logits.argmax(-1)).all()),

@@ -415,6 +415,20 @@ def test_sessions_released_on_finish_and_disconnect(server):
     assert drafter["sessions"] == 0, drafter  # and the drafter let its session go
 
 
+def _wait_restarted(actor, timeout_s: float) -> None:
+    """Until `actor` answers `ready`: while Ray restarts it, calls fail at once with ActorUnavailableError
+    (they do not queue), so ask again until the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 def test_killed_drafter_costs_speed_not_tokens(client, prompt_ids, references):
     """The drafter dies mid-request: the request ends with the same tokens (plain steps), counted;
     the restarted drafter drafts for the next requests."""
@@ -434,7 +448,7 @@ def test_killed_drafter_costs_speed_not_tokens(client, prompt_ids, references):
     assert killed and ids == _ref(references, prompt_ids, 2)
     after = _verifier().proposer_stats.remote().result()
     assert after.get("drafter_failures", 0) > before.get("drafter_failures", 0)
-    ray.get(drafter.ready.remote(), timeout=180)  # Ray restarted it (same actor, same name)
+    _wait_restarted(drafter, 180)  # Ray restarted it (same actor, same name)
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
                                   extra_body={"return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == _ref(references, prompt_ids, 0)

@@ -272,8 +272,8 @@ def test_tensor_parallel_3_on_fake_gpus_and_a_lost_rank(ray_local, prompt_ids, r
         assert cluster.router.metrics.replays == replays + 1 and replica.restarts == 1
         new_pids = set(ray.get([rank.pid.remote() for rank in replica.ranks]))
         assert len(new_pids) == 3 and not new_pids & old_pids
-        again = cluster.generate(prompt_ids[4], SamplingParams(max_tokens=MAX_TOKENS))
-        assert again.token_ids == references[tuple(prompt_ids[4])]
+        again = cluster.generate(prompt_ids[4], SamplingParams(max_tokens=12))  # the rebuilt group serves anew
+        assert again.token_ids == references[tuple(prompt_ids[4])][:12]
     finally:
         cluster.shutdown()
 

@@ -19,7 +19,7 @@ from tools.gpu_check.markdown import render
 from tools.gpu_check.shapes import Models
 from tools.gpu_check.timing import Budget
 
-SECTIONS = ("greedy_equality", "verify_cost", "cost_ratio", "loop_overhead", "graphed_step", "speedups")
+SECTIONS = ("greedy_equality", "verify_cost", "cost_ratio", "loop_overhead", "graphed_step", "speedups", "runner_graphs")
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,19 @@ def test_tiny_run_times_the_static_cache_step_and_says_there_is_no_graph_on_cpu(
         # every timed step rewrote the slot after the prompt: the cache did not run on (the first device run
         # ran off its end, transformers' static layers advancing their own cursor)
         assert target["cache_length_after_steps"] == target["context"] + 1
+
+
+def test_tiny_run_checks_the_runners_graph_slots(tiny_run):
+    """On CPU the slots' static step runs eagerly (no capture): equal to the eager runner's output."""
+    r = tiny_run[1]["sections"]["runner_graphs"]
+    assert set(r["targets"]) == {"smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"}
+    for name, t in r["targets"].items():
+        if name != "llama-3.1-8b":  # fp32 targets
+            eq = t["equality"]
+            assert eq["eager_equals_transformers"] and eq["graphed_plain_equal"] and eq["graphed_draft_equal"], eq
+            assert eq["target_stats"]["eager_steps"] > 0 and eq["draft_stats"]["eager_steps"] > 0
+        speed = t["speed"]
+        assert _positive(speed["graphed_ms"]) and speed["stats"]["eager_steps"] > 0 and speed["stats"]["replays"] == 0
 
 
 def test_sections_runs_only_those_asked_and_rejects_unknown_ones(tmp_path):

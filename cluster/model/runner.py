@@ -9,89 +9,29 @@ the cache layout (a growable buffer with a length cursor per layer, gpt-fast sty
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from cluster.core.errors import InvalidRequestError, TandemError
 from cluster.core.tree import additive_mask
+from cluster.model.cache import new_cache
+from cluster.model.graphs import GraphedDecode
 
 if TYPE_CHECKING:
     from cluster.core.tree import TokenTree
 
 SessionId = Hashable
+log = logging.getLogger(__name__)
 
 
 class UnknownSessionError(TandemError, KeyError):
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
-
-
-class CursorLayer(DynamicLayer):
-    """One layer's keys/values in a buffer that grows by doubling; `length` is the valid prefix.
-
-    `crop` moves the cursor back (rollback without copying); `update` writes at the cursor.
-    """
-
-    def __init__(self, capacity: int = 256):
-        super().__init__()
-        self.capacity = capacity
-        self.length = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        batch, heads, _, head_dim = key_states.shape
-        self.keys = key_states.new_empty(batch, heads, self.capacity, head_dim)  # [B, H, cap, D]
-        self.values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
-        self.length = 0
-        self.is_initialized = True
-
-    def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self.keys.shape[-2])
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_empty(*old.shape[:2], capacity, old.shape[-1])
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.keys.shape[-2]:
-            self._grow(end)
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def copy_prefix(self, source: "CursorLayer", length: int) -> None:
-        """This (empty) layer holds `source`'s first `length` keys and values, copied once."""
-        self.dtype, self.device = source.dtype, source.device
-        capacity = max(self.capacity, length)
-        self.keys = source.keys.new_empty(*source.keys.shape[:2], capacity, source.keys.shape[-1])  # [1, H, cap, D]
-        self.values = source.values.new_empty(*source.values.shape[:2], capacity, source.values.shape[-1])
-        self.keys[:, :, :length] = source.keys[:, :, :length]
-        self.values[:, :, :length] = source.values[:, :, :length]
-        self.length, self.is_initialized = length, True
-
-    def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        # transformers' convention: a negative value removes that many tokens; positive is a length.
-        new_length = self.length + tokens_to_remove if tokens_to_remove < 0 else min(self.length, tokens_to_remove)
-        self.length = max(0, new_length)
-
-    def reset(self) -> None:
-        self.length = 0
-
-
-def _new_cache(num_layers: int, capacity: int = 256) -> Cache:
-    return Cache(layers=[CursorLayer(capacity) for _ in range(num_layers)])
 
 
 @dataclass
@@ -108,7 +48,12 @@ class TorchModelRunner:
 
     batches_trees = True  # extend_batch scores token trees beside chains in one forward
 
-    def __init__(self, model: torch.nn.Module, name: str = "model"):
+    def __init__(self, model: torch.nn.Module, name: str = "model", cuda_graphs: int = 0,
+                 graph_capacity: int = 2048, capture: bool | None = None):
+        """`cuda_graphs` > 0: up to that many sessions at once hold a fixed buffer of `graph_capacity`
+        tokens and their one-token steps replay a CUDA graph (graphs.py). Without CUDA it is ignored
+        (logged) unless `capture=False` asks for the same static forward run eagerly, which is how its
+        exactness is tested without a GPU."""
         self.model = model.eval()
         self.name = name
         config = model.config.get_text_config(decoder=True)
@@ -123,6 +68,11 @@ class TorchModelRunner:
         # feature-fed draft; `hidden[session]` holds the last forward's rows  # [new positions, H] bf16
         self.capture: set[SessionId] = set()
         self.hidden: dict[SessionId, torch.Tensor] = {}
+        if cuda_graphs and self.device.type != "cuda" and capture is None:
+            log.warning("%s: cuda_graphs ignored on %s (CUDA graphs need a CUDA device)", name, self.device)
+            cuda_graphs = 0
+        self.graphs = GraphedDecode(self.model, self.num_layers, min(graph_capacity, self.max_context), cuda_graphs,
+                                    capture) if cuda_graphs else None
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -130,7 +80,9 @@ class TorchModelRunner:
         session = next(self._ids) if session is None else session
         if session in self._sessions:
             raise InvalidRequestError(f"session {session!r} already exists on {self.name}")
-        self._sessions[session] = _Session(_new_cache(self.num_layers))
+        self._sessions[session] = _Session(new_cache(self.num_layers))
+        if self.graphs is not None:
+            self.graphs.attach(self._sessions[session].cache, session)
         return session
 
     def _get(self, session: SessionId) -> _Session:
@@ -168,7 +120,9 @@ class TorchModelRunner:
             d_layer.copy_prefix(s_layer, length)
 
     def release(self, session: SessionId) -> None:
-        self._sessions.pop(session, None)
+        state = self._sessions.pop(session, None)
+        if state is not None and self.graphs is not None:
+            self.graphs.detach(state.cache)
         self.capture.discard(session)
         self.hidden.pop(session, None)
 
@@ -192,6 +146,9 @@ class TorchModelRunner:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self.model.lm_head(hidden[:, keep, :])
 
+    def _logits_of_last(self, **kwargs) -> torch.Tensor:
+        return self.model(logits_to_keep=1, **kwargs).logits  # [1, 1, V]
+
     # -- forward ------------------------------------------------------------------------------
 
     def _check_room(self, state: _Session, session: SessionId, n: int) -> None:
@@ -211,6 +168,10 @@ class TorchModelRunner:
             return torch.empty(0, self.vocab_size)
         self._check_room(state, session, n)
         num_logits = n if num_logits is None else min(num_logits, n)
+        if n == 1 and self.graphs is not None and session not in self.capture:
+            logits = self.graphs.step(state.cache, token_ids[0], self._logits_of_last)  # [1, V] or None
+            if logits is not None:
+                return logits[1 - num_logits:]
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
         start = state.length
         position_ids = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
@@ -308,7 +269,7 @@ class TorchModelRunner:
 
     def _left_padded_cache(self, states: list[_Session], lengths: list[int], past: int, new: int) -> Cache:
         """A batch cache holding each session's keys/values left-padded to `past`, with room for `new`."""
-        cache = _new_cache(self.num_layers, capacity=past + new)
+        cache = new_cache(self.num_layers, capacity=past + new)
         if past > 0:
             batch = len(states)
             for layer_idx, layer in enumerate(cache.layers):

@@ -165,7 +165,10 @@ class VerifierRank:
             model = load_tp_model(path, config.dtype, rank, world_size, master_port)
         else:
             model = models.load_causal_lm(path, config.dtype, config.device)
-        runner = TorchModelRunner(model, name=f"{replica}/rank{rank}")
+        if config.cuda_graphs and world_size > 1:
+            log.warning("cuda_graphs ignored with tensor parallelism (the ranks' collectives are not captured)")
+        runner = TorchModelRunner(model, name=f"{replica}/rank{rank}",
+                                  cuda_graphs=config.cuda_graphs if world_size == 1 else 0)
         self.port, self._endpoint = None, None
         if world_size > 1:
             if rank != 0:

@@ -28,5 +28,6 @@ def build_decoder(config: EngineConfig) -> SpeculativeDecoder:
     proposer = make_proposer(config, target_model, tokenizer)
     log.info("engine: target=%s proposer=%s γ=%d dtype=%s", path, config.proposer,
              config.num_speculative_tokens, config.dtype)
-    return SpeculativeDecoder(TorchModelRunner(target_model, name="target"), proposer, tokenizer,
+    target = TorchModelRunner(target_model, name="target", cuda_graphs=config.cuda_graphs)
+    return SpeculativeDecoder(target, proposer, tokenizer,
                               config.num_speculative_tokens)

@@ -21,6 +21,7 @@ from tools.gpu_check.costs import (
 )
 from tools.gpu_check.equality import greedy_equality
 from tools.gpu_check.graphs import graphed_step_section
+from tools.gpu_check.runner_graphs import runner_graphs_section
 from tools.gpu_check.shapes import EQUALITY_TARGETS, PAIRS, TARGETS, Models
 from tools.gpu_check.speedups import speedup_section
 from tools.gpu_check.timing import Budget
@@ -31,7 +32,7 @@ UNVERIFIED = "unverified on a GPU"
 HEAVY = ("ray", "grpc", "protos", "vllm")
 # whole-section estimates on an H200, in seconds (tiny shapes: a tenth)
 ESTIMATES = {"greedy_equality": 60, "verify_cost": 50, "cost_ratio": 25, "loop_overhead": 25, "graphed_step": 30,
-             "speedups": 80}
+             "speedups": 80, "runner_graphs": 60}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -117,6 +118,17 @@ def summary(report: dict) -> list[str]:
                          f"{run['measured_speedup']:.2f}x measured, "
                          f"{run['predicted']['pipeline_model_with_curve']:.2f}x model"
                          f"{'' if run['matches_plain'] else ', OUTPUT DIFFERS FROM PLAIN'}")
+    for name, t in s.get("runner_graphs", {}).get("targets", {}).items():
+        eq, speed = t.get("equality", {}), t.get("speed", {})
+        if "error" in eq or "error" in speed:
+            lines.append(f"runner graphs {name}: {eq.get('error') or speed.get('error')}")
+        if "graphed_plain_equal" in eq:
+            lines.append(f"runner graphs {name} fp32: plain {'EQUAL' if eq['graphed_plain_equal'] else 'DIFFERS'}, "
+                         f"graphed draft {'EQUAL' if eq['graphed_draft_equal'] else 'DIFFERS'}")
+        if "graphed_ms" in speed:
+            lines.append(f"runner graphs {name} bf16: eager {speed['eager_ms']:.2f} ms a token, graphed "
+                         f"{speed['graphed_ms']:.2f} ms ({speed['eager_over_graphed']:.1f}x), "
+                         f"{speed['stats']['replays']} replays")
     for name, g in s.get("graphed_step", {}).get("targets", {}).items():
         if "error" in g:
             lines.append(f"graphed step {name}: {g['error']}")
@@ -172,6 +184,7 @@ def run(args: argparse.Namespace, device: torch.device, tiny: bool, verified: bo
              lambda: cost_ratio_section(models, TARGETS, tiny, budget, (curves or {}).get("targets", {})))
     _section(report, budget, "loop_overhead", tiny, lambda: loop_overhead_section(models, TARGETS, tiny, budget))
     _section(report, budget, "speedups", tiny, lambda: speedup_section(models, fp32, tiny, budget))
+    _section(report, budget, "runner_graphs", tiny, lambda: runner_graphs_section(models, TARGETS, tiny, budget))
     models.drop("float32")
     # last: a device-side assert in a capture poisons the CUDA context for every later section
     _section(report, budget, "graphed_step", tiny, lambda: graphed_step_section(models, TARGETS, tiny, budget))

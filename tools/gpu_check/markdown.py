@@ -82,6 +82,21 @@ def render(report: dict, title: str) -> str:
                   f"{s['speedups']['pipelined_mode']}):", ""]
         lines += _table(["target + draft", "c", "α", "mode", "accepted", "measured", "model", "model with curve",
                          "output = plain"], rows)
+    runner = s.get("runner_graphs", {}).get("targets", {})
+    if runner:
+        rows = []
+        for k, t in runner.items():
+            eq, sp = t.get("equality", {}), t.get("speed", {})
+            yes = lambda key: ("yes" if eq[key] else "no") if key in eq else ""
+            rows.append([k, yes("graphed_plain_equal"), yes("graphed_draft_equal"), yes("eager_equals_transformers"),
+                         f"{sp['eager_ms']:.2f}" if "eager_ms" in sp else "",
+                         f"{sp['graphed_ms']:.2f}" if "graphed_ms" in sp else "",
+                         f"{sp['eager_over_graphed']:.1f}" if "eager_over_graphed" in sp else "",
+                         str(sp["stats"]["replays"]) if "stats" in sp else "",
+                         eq.get("error", "") or sp.get("error", "")])
+        lines += ["The runner's CUDA-graph slots (`cuda_graphs`): fp32 greedy equality, bf16 ms a token:", ""]
+        lines += _table(["target", "plain = eager", "graphed draft = eager", "eager = transformers", "eager ms",
+                         "graphed ms", "eager / graphed", "replays", "error"], rows)
     return "\n".join(lines)
 
 

@@ -1,0 +1,91 @@
+"""The torch runner's CUDA-graph slots (cluster/model/graphs.py), checked on CPU: the static one-token
+forward a graph captures (fixed buffers, a device write position, a 4-D mask over the whole capacity)
+runs eagerly here, and must give transformers' greedy output (fp32) for plain decoding and as a draft
+runner that rolls back; sessions past the capacity, or finding every slot taken, decode eagerly and are
+counted; a released session's slot serves the next one. Capture and replay need a GPU: the GPU check's
+`runner_graphs` section (tools/gpu_check)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.core.sampling import SamplingParams
+from cluster.model.graphs import GraphedDecode
+from cluster.model.runner import TorchModelRunner
+from cluster.session.speculate import SpeculativeDecoder
+from drafts.draft_model import DraftModelProposer
+
+MAX_TOKENS = 24
+PROMPTS = [
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ("Once upon a time, in a small village by the sea,", False),
+    ("What is the capital of France?", True),
+]
+
+
+def _plain(runner, ids):
+    return SpeculativeDecoder(runner, None, None, 4).generate(ids, SamplingParams(max_tokens=MAX_TOKENS)).token_ids
+
+
+def test_static_step_plain_decoding_equals_transformers(target_fp32, prompt_ids, references):
+    runner = TorchModelRunner(target_fp32, "graphed", cuda_graphs=2, capture=False, graph_capacity=128)
+    assert runner.graphs is not None and not runner.graphs.capture  # no CUDA here: the same forward, eagerly
+    for ids in prompt_ids:
+        assert _plain(runner, ids) == references[tuple(ids)]
+    stats = runner.graphs.stats.as_dict()
+    assert stats["eager_steps"] >= len(prompt_ids) * (MAX_TOKENS // 2)  # the one-token steps took the static path
+    assert stats["no_slot"] == 0 and not stats["slots_lost"] and runner.num_sessions == 0
+
+
+def test_graphed_draft_runner_rolls_back_and_stays_exact(target_fp32, prompt_ids, references):
+    """A draft runner with slots: its rejected tokens are rolled back (cursor only) and rewritten at the
+    same positions by the static step; the target's output is unchanged."""
+    draft = TorchModelRunner(target_fp32, "draft", cuda_graphs=1, capture=False, graph_capacity=128)
+    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, "target"), DraftModelProposer(draft), None, 4)
+    for ids in prompt_ids[2:]:  # the chat prompt (the others' one-token steps are the test above's)
+        result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        assert result.token_ids == references[tuple(ids)]
+        assert result.stats.accepted == result.stats.drafted > 0  # the draft is the target: always right
+    assert draft.graphs.stats.eager_steps > 0 and draft.num_sessions == 0
+
+
+def test_sessions_past_the_capacity_or_without_a_slot_decode_eagerly(target_fp32, prompt_ids, references):
+    longest = max(prompt_ids, key=len)
+    runner = TorchModelRunner(target_fp32, "small", cuda_graphs=1, capture=False, graph_capacity=len(longest) + 4)
+    assert _plain(runner, longest) == references[tuple(longest)]  # grows past the slot: given up, counted
+    assert sum(runner.graphs.stats.slots_lost.values()) == 1
+    a, b = runner.add_session(), runner.add_session()  # the slot is free again; the second finds none
+    assert runner.graphs.stats.no_slot == 1
+    logits = {}
+    for s in (a, b):
+        runner.extend(s, prompt_ids[0])
+        logits[s] = runner.extend(s, [references[tuple(prompt_ids[0])][0]])  # a: static step; b: eager
+    torch.testing.assert_close(logits[a], logits[b], rtol=1e-4, atol=1e-4)
+    assert logits[a].argmax() == logits[b].argmax()
+    runner.release(a)
+    runner.release(b)
+    c = runner.add_session()
+    assert runner.graphs._slot_of  # the released slot went to the next session
+    runner.release(c)
+
+
+def test_shared_prefix_stays_in_the_slot(target_fp32, prompt_ids, references):
+    """`share_prefix` (n choices) copies into the slot's own buffers: the session keeps its slot."""
+    runner = TorchModelRunner(target_fp32, "share", cuda_graphs=2, capture=False, graph_capacity=128)
+    ids, ref = prompt_ids[1], references[tuple(prompt_ids[1])]
+    a, b = runner.add_session(), runner.add_session()
+    first = runner.extend(a, ids)[-1].argmax().item()
+    runner.share_prefix(a, b, len(ids))
+    before = runner.graphs.stats.eager_steps
+    assert runner.extend(b, [first]).argmax().item() == ref[1] and first == ref[0]
+    assert runner.graphs.stats.eager_steps == before + 1 and not runner.graphs.stats.slots_lost
+    runner.release(a)
+    runner.release(b)
+
+
+def test_capture_needs_cuda(target_fp32, caplog):
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphedDecode(target_fp32, 30, 16, 1, capture=True)
+    assert TorchModelRunner(target_fp32, "cpu", cuda_graphs=4).graphs is None  # the config's setting, on a CPU
+    assert "cuda_graphs ignored" in caplog.text

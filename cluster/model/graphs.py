@@ -175,7 +175,7 @@ class GraphedDecode:
         slot.pos.fill_(start)
         if self.capture:
             slot.graph.replay()
-            logits = slot.logits[0].float()  # [1, V] (a copy: the next replay overwrites the static output)
+            logits = slot.logits[0].to(torch.float32, copy=True)  # [1, V]: the next replay overwrites the output
             self.stats.replays += 1
         else:
             logits = self._static_forward(cache, slot, forward)[0].float()  # [1, V]

@@ -67,21 +67,21 @@ def test_sampling_with_a_reduced_vocab_draft_stays_in_the_target_support(target_
 
 def test_distillation_raises_acceptance_on_held_out_text(target_fp32, tokenizer, tmp_path):
     code, prose = stdlib_texts(max_files=400)
-    # 50 documents are plenty for 60 steps of 4 x 64 tokens (tokenizing all 470 took most of this test)
+    # 50 documents are plenty for 30 steps of 4 x 64 tokens
     train, held_out = code[40:80] + prose[10:20], code[:6] + prose[:2]
-    config = DistillConfig(layers=[0], vocab_size=2048, seq_len=64, batch_size=4, lr=2e-3, max_tokens=60 * 256,
-                           chat_samples=0, seed=0, checkpoint_every=20, threads=1)
+    config = DistillConfig(layers=[0], vocab_size=2048, seq_len=64, batch_size=4, lr=3e-3, max_tokens=30 * 256,
+                           chat_samples=0, seed=0, checkpoint_every=15, threads=1)  # held-out α 0.07 -> 0.14
     report = distill(target_fp32, tokenizer, tmp_path, config, texts=train, eval_texts=held_out, progress=False)
-    assert report["finished"] and report["steps"] == 60
+    assert report["finished"] and report["steps"] == 30
     assert report["alpha_held_out_after"] > report["alpha_held_out_before"] + 0.05, report
     draft = load_draft(tmp_path, target_fp32)
     sequences = [tokenizer(t)["input_ids"][:128] for t in held_out]
     assert greedy_agreement(target_fp32, draft, sequences) == pytest.approx(report["alpha_held_out_after"], abs=0.05)
     provenance = draft.tandem_spec.provenance
-    assert provenance["seed"] == 0 and provenance["steps"] == 60 and provenance["command"] == "tandem drafts distill"
+    assert provenance["seed"] == 0 and provenance["steps"] == 30 and provenance["command"] == "tandem drafts distill"
     # resume: a finished run has nothing left to do and keeps its step count
     again = distill(target_fp32, tokenizer, tmp_path, config, texts=train, eval_texts=held_out, progress=False)
-    assert again["steps"] == 60
+    assert again["steps"] == 30
 
 
 def test_replay_rounds_matches_the_loop_by_hand():

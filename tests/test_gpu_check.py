@@ -114,6 +114,7 @@ def test_tiny_run_checks_the_runners_graph_slots(tiny_run):
             eq = t["equality"]
             assert eq["eager_equals_transformers"] and eq["graphed_plain_equal"] and eq["graphed_draft_equal"], eq
             assert eq["target_stats"]["eager_steps"] > 0 and eq["draft_stats"]["eager_steps"] > 0
+            assert eq["verifier_stats"]["eager_steps"] > 0  # chains of γ + 1 through the static forward
         speed = t["speed"]
         assert _positive(speed["graphed_ms"]) and speed["stats"]["eager_steps"] > 0 and speed["stats"]["replays"] == 0
 

@@ -38,16 +38,38 @@ def test_static_step_plain_decoding_equals_transformers(target_fp32, prompt_ids,
     assert stats["no_slot"] == 0 and not stats["slots_lost"] and runner.num_sessions == 0
 
 
-def test_graphed_draft_runner_rolls_back_and_stays_exact(target_fp32, prompt_ids, references):
-    """A draft runner with slots: its rejected tokens are rolled back (cursor only) and rewritten at the
-    same positions by the static step; the target's output is unchanged."""
+def test_speculation_with_slots_on_both_sides_stays_exact(target_fp32, prompt_ids, references):
+    """The target verifies each chain of γ + 1 = 5 tokens with the static forward of 5 (one mask row per
+    token), the draft drafts with the one-token one; rejected tokens are rolled back (cursor only) and
+    rewritten at the same positions. The output is transformers' greedy."""
+    target = TorchModelRunner(target_fp32, "target", cuda_graphs=1, capture=False, graph_capacity=128)
     draft = TorchModelRunner(target_fp32, "draft", cuda_graphs=1, capture=False, graph_capacity=128)
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, "target"), DraftModelProposer(draft), None, 4)
-    for ids in prompt_ids[2:]:  # the chat prompt (the others' one-token steps are the test above's)
+    proposers = {"the target's copy (always right)": DraftModelProposer(draft), "none (plain)": None}
+    for name, proposer in proposers.items():
+        decoder = SpeculativeDecoder(target, proposer, None, 4)
+        ids = prompt_ids[2]  # the chat prompt (the others' one-token steps are the test above's)
         result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
-        assert result.token_ids == references[tuple(ids)]
-        assert result.stats.accepted == result.stats.drafted > 0  # the draft is the target: always right
-    assert draft.graphs.stats.eager_steps > 0 and draft.num_sessions == 0
+        assert result.token_ids == references[tuple(ids)], name
+    assert result.stats.drafted == 0
+    assert target.graphs.stats.eager_steps > 0 and draft.graphs.stats.eager_steps > 0
+    assert target.num_sessions == draft.num_sessions == 0 and not target.graphs.stats.slots_lost
+
+
+def test_a_chain_through_the_static_forward_scores_each_position(target_fp32, prompt_ids, references):
+    """extend() of 5 tokens through a slot returns the same 5 rows of logits as the eager runner."""
+    ids, ref = prompt_ids[0], references[tuple(prompt_ids[0])]
+    rows = {}
+    for name, runner in (("eager", TorchModelRunner(target_fp32, "e")),
+                         ("slot", TorchModelRunner(target_fp32, "s", cuda_graphs=1, capture=False, graph_capacity=128))):
+        s = runner.add_session()
+        runner.extend(s, ids)
+        rows[name] = runner.extend(s, ref[:5])  # [5, V]
+        assert runner.length(s) == len(ids) + 5
+        if runner.graphs is not None:
+            assert runner.graphs.stats.eager_steps == 1
+        runner.release(s)
+    torch.testing.assert_close(rows["slot"], rows["eager"], rtol=1e-4, atol=1e-4)
+    assert rows["slot"].argmax(-1).tolist() == ref[1:6]
 
 
 def test_sessions_past_the_capacity_or_without_a_slot_decode_eagerly(target_fp32, prompt_ids, references):

@@ -19,7 +19,7 @@ class CursorLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
         self.length = 0
-        self.write_index: torch.Tensor | None = None  # set for a static forward (graphs.py)  # [1]
+        self.write_index: torch.Tensor | None = None  # set for a static forward (graphs.py)  # [n]
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Use these (fixed-capacity) buffers from now on: a CUDA-graph slot's (graphs.py); empty."""
@@ -46,7 +46,7 @@ class CursorLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.write_index is not None:  # a static forward: write at a device position, attend to every slot
+        if self.write_index is not None:  # a static forward: write at device positions, attend to every slot
             self.keys.index_copy_(2, self.write_index, key_states)
             self.values.index_copy_(2, self.write_index, value_states)
             return self.keys, self.values

@@ -1,4 +1,4 @@
-"""One-token decode steps replayed from CUDA graphs, for the torch runner (issue 26).
+"""Decode and chain-verify steps replayed from CUDA graphs, for the torch runner (issue 26).
 
 The GPU check (BENCHMARKS.md, "GPU check on an H200") found the eager runner launch-bound on a GPU: a
 one-token step of SmolLM2-135M's shape took 17-37 ms eager and 3.3 ms replayed from a CUDA graph (the
@@ -7,17 +7,19 @@ cursor cache (a buffer per session that grows by reallocation, read as `[:length
 
 So a session may hold a *slot*: per layer, key and value buffers of a fixed capacity, which its
 `CursorLayer`s use as their own (every eager verb of the runner works on them unchanged, in place), and
-a graph captured once per slot for the one-token forward over the whole buffer:
+graphs captured per slot, one for each number of new tokens n up to `max_tokens` (1 for a plain step or a
+draft token, γ + 1 for a chain's verification), each a forward over the whole buffer:
 
-- the new token's keys and values are written at a position held in a device tensor (`index_copy_`);
-- attention reads all `capacity` slots under a 4-D additive mask built inside the graph from that
-  position (slots past it hold stale keys of earlier sessions and are masked);
+- the new tokens' keys and values are written at positions held in a device tensor (`index_copy_`);
+- attention reads all `capacity` slots under a 4-D additive mask built inside the graph from those
+  positions (each token sees its own position and those before; slots past them hold stale keys of
+  earlier sessions and are masked);
 - the logits land in a static output tensor.
 
-A replay is two scalar fills (token, position), `replay()`, and the cursor moved on the host. Anything
-the graph cannot serve runs eagerly as before and is counted (`stats`): a session longer than the
-capacity (its buffers grew: the slot is given up), feature capture (the feature-fed draft's hidden
-states), more than one token, batches. The same static forward runs eagerly (no capture) where there
+A replay is two small copies (tokens, positions), `replay()`, and the cursor moved on the host. Anything
+the graphs cannot serve runs eagerly as before: a session longer than the capacity (its buffers grew:
+the slot is given up, counted in `stats`), feature capture (the feature-fed draft's hidden states), more
+than `max_tokens` tokens (prefill), token trees, batches of sessions. The same static forward runs eagerly (no capture) where there
 is no CUDA, which is how CI checks its exactness; only the capture and replay need a GPU.
 """
 
@@ -34,21 +36,26 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class _Graph:
+    """One captured forward of `n` tokens over a slot: its static inputs and output."""
+    ids: torch.Tensor  # [1, n] long: the tokens
+    pos: torch.Tensor  # [1, n] long: their positions (= the write indices)
+    graph: object = None  # torch.cuda.CUDAGraph once captured
+    logits: torch.Tensor | None = None  # [1, n, V]: the replay's output (static)
+
+
+@dataclass
 class _Slot:
     keys: list[torch.Tensor]  # per layer  # [1, H, capacity, D]
     values: list[torch.Tensor]
-    ids: torch.Tensor  # [1, 1] long: the token of the step
-    pos: torch.Tensor  # [1, 1] long: its position (= the write index)
-    graph: object = None  # torch.cuda.CUDAGraph once captured
-    logits: torch.Tensor | None = None  # [1, 1, V]: the replay's output (static)
+    graphs: dict = field(default_factory=dict)  # n -> _Graph
     owner: object = None  # the session holding it
-    steps: int = 0
 
 
 @dataclass
 class GraphStats:
     replays: int = 0
-    eager_steps: int = 0  # one-token steps of slot sessions run without a graph (no CUDA: the same forward)
+    eager_steps: int = 0  # slot steps run as the same static forward without a graph (no CUDA)
     captures: int = 0
     no_slot: int = 0  # sessions that found every slot taken
     slots_lost: dict = field(default_factory=dict)  # why a session gave its slot up: count
@@ -63,7 +70,7 @@ class _WriteAt:
     the duration of one static forward (restored afterwards: the eager verbs read `[:length]`)."""
 
     def __init__(self, cache: Cache, pos: torch.Tensor):
-        self.layers, self.index = cache.layers, pos.view(1)  # [1]
+        self.layers, self.index = cache.layers, pos.view(-1)  # [n]
 
     def __enter__(self):
         for layer in self.layers:
@@ -78,22 +85,21 @@ class GraphedDecode:
     """Slots and their graphs for one model. `forward(**kwargs)` is the model's own call."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, capacity: int, slots: int,
-                 capture: bool | None = None):
+                 capture: bool | None = None, max_tokens: int = 8):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         config = model.config.get_text_config(decoder=True)
         heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.capacity, self.num_layers = capacity, num_layers
+        self.capacity, self.num_layers, self.max_tokens = capacity, num_layers, max_tokens
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         shape = (1, heads, capacity, head_dim)
         self._slots = [_Slot([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)],
-                             [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)],
-                             torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                             torch.zeros(1, 1, dtype=torch.long, device=self.device)) for _ in range(slots)]
+                             [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)])
+                       for _ in range(slots)]
         self._slot_of: dict[int, _Slot] = {}  # id(cache) -> slot
         self._positions = torch.arange(capacity, device=self.device)  # [capacity]
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -137,50 +143,63 @@ class GraphedDecode:
 
     # -- the step --------------------------------------------------------------------------------
 
-    def _static_forward(self, cache: Cache, slot: _Slot, forward: Callable) -> torch.Tensor:
-        """The one-token forward over the whole buffers  # [1, 1, V]"""
-        mask = torch.where(self._positions <= slot.pos[0, 0], 0.0, torch.finfo(self.dtype).min)
-        mask = mask.to(self.dtype)[None, None, None, :]  # [1, 1, 1, capacity]
-        with _WriteAt(cache, slot.pos):
-            return forward(input_ids=slot.ids, position_ids=slot.pos, attention_mask=mask,
-                           past_key_values=cache, use_cache=True)
+    def _static_forward(self, cache: Cache, g: _Graph, forward: Callable) -> torch.Tensor:
+        """The forward of g's tokens over the whole buffers  # [1, n, V]: each token sees the slots up to
+        its own position (the cache, the tokens before it, itself)."""
+        allowed = self._positions[None, :] <= g.pos[0][:, None]  # [n, capacity]
+        mask = torch.where(allowed, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[None, None]  # [1, 1, n, cap]
+        with _WriteAt(cache, g.pos):
+            return forward(input_ids=g.ids, position_ids=g.pos, attention_mask=mask, past_key_values=cache,
+                           use_cache=True)
 
-    def _capture(self, cache: Cache, slot: _Slot, forward: Callable) -> None:
-        slot.pos.fill_(self.capacity - 1)  # warm-up and capture write the last slot (masked until rewritten)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._static_forward(cache, slot, forward)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            slot.logits = self._static_forward(cache, slot, forward)
-        slot.graph = graph
-        self.stats.captures += 1
+    def _graph(self, cache: Cache, slot: _Slot, n: int, forward: Callable) -> _Graph:
+        """The slot's forward of n tokens; captured at its first use where there is CUDA."""
+        g = slot.graphs.get(n)
+        if g is None:
+            g = slot.graphs[n] = _Graph(torch.zeros(1, n, dtype=torch.long, device=self.device),
+                                        torch.zeros(1, n, dtype=torch.long, device=self.device))
+        if self.capture and g.graph is None:
+            # warm-up and capture write the last n slots: past the session's valid prefix (it needs room for
+            # its own n), masked until rewritten
+            g.pos.copy_(self._positions[self.capacity - n:][None])
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._static_forward(cache, g, forward)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                g.logits = self._static_forward(cache, g, forward)
+            g.graph = graph
+            self.stats.captures += 1
+        return g
 
-    def step(self, cache: Cache, token_id: int, forward: Callable) -> torch.Tensor | None:
-        """One token appended to a slot session: float32 logits  # [1, V]; None when the slot cannot
-        serve it (the caller runs its eager forward)."""
-        slot = self._usable(cache)
+    def step(self, cache: Cache, token_ids, forward: Callable) -> torch.Tensor | None:
+        """`token_ids` (1 to `max_tokens` of them) appended to a slot session: float32 logits of every new
+        position  # [n, V]; None when the slot cannot serve them (the caller runs its eager forward)."""
+        n = len(token_ids)
+        slot = self._usable(cache) if 0 < n <= self.max_tokens else None
         if slot is None:
             return None
         start = cache.layers[0].length
-        if start + 1 > self.capacity:
+        if start + n > self.capacity:
             self._lose(cache, "longer than the capacity")
             return None
-        if self.capture and slot.graph is None:
-            self._capture(cache, slot, forward)
-        slot.ids.fill_(int(token_id))
-        slot.pos.fill_(start)
+        g = self._graph(cache, slot, n, forward)
+        if n == 1:
+            g.ids.fill_(int(token_ids[0]))
+            g.pos.fill_(start)
+        else:
+            g.ids.copy_(torch.tensor([list(token_ids)], dtype=torch.long))
+            g.pos.copy_(self._positions[start:start + n][None])
         if self.capture:
-            slot.graph.replay()
-            logits = slot.logits[0].to(torch.float32, copy=True)  # [1, V]: the next replay overwrites the output
+            g.graph.replay()
+            logits = g.logits[0].to(torch.float32, copy=True)  # [n, V]: the next replay overwrites the output
             self.stats.replays += 1
         else:
-            logits = self._static_forward(cache, slot, forward)[0].float()  # [1, V]
+            logits = self._static_forward(cache, g, forward)[0].float()  # [n, V]
             self.stats.eager_steps += 1
         for layer in cache.layers:
-            layer.length = start + 1
-        slot.steps += 1
+            layer.length = start + n
         return logits

@@ -49,9 +49,10 @@ class TorchModelRunner:
     batches_trees = True  # extend_batch scores token trees beside chains in one forward
 
     def __init__(self, model: torch.nn.Module, name: str = "model", cuda_graphs: int = 0,
-                 graph_capacity: int = 2048, capture: bool | None = None):
+                 graph_capacity: int = 2048, capture: bool | None = None, graph_tokens: int = 8):
         """`cuda_graphs` > 0: up to that many sessions at once hold a fixed buffer of `graph_capacity`
-        tokens and their one-token steps replay a CUDA graph (graphs.py). Without CUDA it is ignored
+        tokens, and their steps of up to `graph_tokens` tokens (plain and draft steps, chain
+        verification) replay CUDA graphs (graphs.py). Without CUDA it is ignored
         (logged) unless `capture=False` asks for the same static forward run eagerly, which is how its
         exactness is tested without a GPU."""
         self.model = model.eval()
@@ -72,7 +73,7 @@ class TorchModelRunner:
             log.warning("%s: cuda_graphs ignored on %s (CUDA graphs need a CUDA device)", name, self.device)
             cuda_graphs = 0
         self.graphs = GraphedDecode(self.model, self.num_layers, min(graph_capacity, self.max_context), cuda_graphs,
-                                    capture) if cuda_graphs else None
+                                    capture, graph_tokens) if cuda_graphs else None
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -146,8 +147,8 @@ class TorchModelRunner:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self.model.lm_head(hidden[:, keep, :])
 
-    def _logits_of_last(self, **kwargs) -> torch.Tensor:
-        return self.model(logits_to_keep=1, **kwargs).logits  # [1, 1, V]
+    def _all_logits(self, **kwargs) -> torch.Tensor:
+        return self.model(logits_to_keep=0, **kwargs).logits  # [1, n, V]
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -168,10 +169,10 @@ class TorchModelRunner:
             return torch.empty(0, self.vocab_size)
         self._check_room(state, session, n)
         num_logits = n if num_logits is None else min(num_logits, n)
-        if n == 1 and self.graphs is not None and session not in self.capture:
-            logits = self.graphs.step(state.cache, token_ids[0], self._logits_of_last)  # [1, V] or None
+        if self.graphs is not None and session not in self.capture:
+            logits = self.graphs.step(state.cache, token_ids, self._all_logits)  # [n, V] or None
             if logits is not None:
-                return logits[1 - num_logits:]
+                return logits[n - num_logits:]
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
         start = state.length
         position_ids = torch.arange(start, start + n, device=self.device)[None]  # [1, n]

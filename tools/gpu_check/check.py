@@ -124,7 +124,7 @@ def summary(report: dict) -> list[str]:
             lines.append(f"runner graphs {name}: {eq.get('error') or speed.get('error')}")
         if "graphed_plain_equal" in eq:
             lines.append(f"runner graphs {name} fp32: plain {'EQUAL' if eq['graphed_plain_equal'] else 'DIFFERS'}, "
-                         f"graphed draft {'EQUAL' if eq['graphed_draft_equal'] else 'DIFFERS'}")
+                         f"speculative, slots on both sides {'EQUAL' if eq['graphed_draft_equal'] else 'DIFFERS'}")
         if "graphed_ms" in speed:
             lines.append(f"runner graphs {name} bf16: eager {speed['eager_ms']:.2f} ms a token, graphed "
                          f"{speed['graphed_ms']:.2f} ms ({speed['eager_over_graphed']:.1f}x), "

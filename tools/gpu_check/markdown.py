@@ -95,7 +95,7 @@ def render(report: dict, title: str) -> str:
                          str(sp["stats"]["replays"]) if "stats" in sp else "",
                          eq.get("error", "") or sp.get("error", "")])
         lines += ["The runner's CUDA-graph slots (`cuda_graphs`): fp32 greedy equality, bf16 ms a token:", ""]
-        lines += _table(["target", "plain = eager", "graphed draft = eager", "eager = transformers", "eager ms",
+        lines += _table(["target", "plain = eager", "speculative with slots = eager", "eager = transformers", "eager ms",
                          "graphed ms", "eager / graphed", "replays", "error"], rows)
     return "\n".join(lines)
 

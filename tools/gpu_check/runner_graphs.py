@@ -2,8 +2,8 @@
 checked where they matter: exactness and speed on the GPU.
 
 - equality (fp32 targets): plain decoding with slots against plain decoding without them and against
-  transformers' `generate`; a draft model (the target's own weights, so always right) whose runner has
-  slots, drafting for the eager target. The graph attends over the whole slot under a mask, where the eager
+  transformers' `generate`; speculative decoding with slots on both sides: a draft model (the target's own
+  weights, so always right) drafting one-token steps, the target verifying chains of γ + 1 tokens. The graph attends over the whole slot under a mask, where the eager
   step attends over the valid prefix: another reduction length, so the check records any divergence
   (random weights make near-ties) rather than assume there is none.
 - speed (bf16 targets): one-token plain decoding, eager against replayed, ms a token over 64 tokens
@@ -44,8 +44,8 @@ def _equality(model, tiny: bool) -> dict:
     hf = [_hf_greedy(model, ids, max_tokens, next(model.parameters()).device) for ids in prompts]
     graphed_runner = _graphed(model, "target")
     graphed = _decode(graphed_runner, prompts, params)
-    draft_runner = _graphed(model, "draft", slots=1)
-    drafted = _decode(TorchModelRunner(model, name="target"), prompts, params, DraftModelProposer(draft_runner))
+    draft_runner, spec_target = _graphed(model, "draft", slots=1), _graphed(model, "target")
+    drafted = _decode(spec_target, prompts, params, DraftModelProposer(draft_runner))  # chains of γ + 1 replayed
 
     def diverged(outs):
         return [{"prompt": i, "first_divergence": first_divergence(o, e)}
@@ -54,7 +54,8 @@ def _equality(model, tiny: bool) -> dict:
     return {"max_tokens": max_tokens, "prompt_lengths": lengths, "eager_equals_transformers": eager == hf,
             "graphed_plain_equal": graphed == eager, "graphed_plain_diverged": diverged(graphed),
             "graphed_draft_equal": drafted == eager, "graphed_draft_diverged": diverged(drafted),
-            "target_stats": graphed_runner.graphs.stats.as_dict(), "draft_stats": draft_runner.graphs.stats.as_dict()}
+            "target_stats": graphed_runner.graphs.stats.as_dict(), "draft_stats": draft_runner.graphs.stats.as_dict(),
+            "verifier_stats": spec_target.graphs.stats.as_dict()}
 
 
 def _ms_per_token(runner: TorchModelRunner, prompt: list[int], tokens: int) -> float:

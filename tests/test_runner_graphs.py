@@ -111,3 +111,21 @@ def test_capture_needs_cuda(target_fp32, caplog):
         GraphedDecode(target_fp32, 30, 16, 1, capture=True)
     assert TorchModelRunner(target_fp32, "cpu", cuda_graphs=4).graphs is None  # the config's setting, on a CPU
     assert "cuda_graphs ignored" in caplog.text
+
+
+def test_a_capture_that_fails_leaves_those_steps_eager(target_fp32, prompt_ids, references, monkeypatch, caplog):
+    """Where a capture raises (on a GPU: e.g. another thread's kernels meanwhile), the step runs on the
+    runner's eager path, logged and counted, and the output does not change."""
+    runner = TorchModelRunner(target_fp32, "failing", cuda_graphs=1, capture=False, graph_capacity=128)
+    runner.graphs.capture = True  # as on CUDA, with a capture that always fails
+
+    def broken(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner.graphs, "_capture", broken)
+    ids = prompt_ids[1]
+    result = SpeculativeDecoder(runner, None, None, 4).generate(ids, SamplingParams(max_tokens=8))
+    assert result.token_ids == references[tuple(ids)][:8]
+    stats = runner.graphs.stats
+    assert stats.capture_failures == 1 and stats.replays == 0 and stats.eager_steps == 0  # one failure per (slot, n)
+    assert "capture of a 1-token step failed" in caplog.text

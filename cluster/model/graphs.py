@@ -42,6 +42,7 @@ class _Graph:
     pos: torch.Tensor  # [1, n] long: their positions (= the write indices)
     graph: object = None  # torch.cuda.CUDAGraph once captured
     logits: torch.Tensor | None = None  # [1, n, V]: the replay's output (static)
+    failed: bool = False  # its capture raised: these steps run eagerly (logged, counted)
 
 
 @dataclass
@@ -58,11 +59,12 @@ class GraphStats:
     eager_steps: int = 0  # slot steps run as the same static forward without a graph (no CUDA)
     captures: int = 0
     no_slot: int = 0  # sessions that found every slot taken
+    capture_failures: int = 0  # captures that raised (those steps then run eagerly)
     slots_lost: dict = field(default_factory=dict)  # why a session gave its slot up: count
 
     def as_dict(self) -> dict:
         return {"replays": self.replays, "eager_steps": self.eager_steps, "captures": self.captures,
-                "no_slot": self.no_slot, "slots_lost": dict(self.slots_lost)}
+                "capture_failures": self.capture_failures, "no_slot": self.no_slot, "slots_lost": dict(self.slots_lost)}
 
 
 class _WriteAt:
@@ -158,22 +160,31 @@ class GraphedDecode:
         if g is None:
             g = slot.graphs[n] = _Graph(torch.zeros(1, n, dtype=torch.long, device=self.device),
                                         torch.zeros(1, n, dtype=torch.long, device=self.device))
-        if self.capture and g.graph is None:
-            # warm-up and capture write the last n slots: past the session's valid prefix (it needs room for
-            # its own n), masked until rewritten
-            g.pos.copy_(self._positions[self.capacity - n:][None])
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._static_forward(cache, g, forward)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                g.logits = self._static_forward(cache, g, forward)
-            g.graph = graph
-            self.stats.captures += 1
+        if self.capture and g.graph is None and not g.failed:
+            try:
+                self._capture(cache, g, forward)
+            except Exception:  # noqa: BLE001 - e.g. another thread's kernels during capture: eager, loudly
+                g.failed = True
+                self.stats.capture_failures += 1
+                log.exception("CUDA-graph capture of a %d-token step failed; those steps of this slot run eagerly", n)
         return g
+
+    def _capture(self, cache: Cache, g: _Graph, forward: Callable) -> None:
+        # warm-up and capture write the last n slots: past the session's valid prefix (it needs room for its
+        # own n), masked until rewritten
+        g.pos.copy_(self._positions[self.capacity - g.pos.shape[1]:][None])
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._static_forward(cache, g, forward)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a drafter thread of the same process may launch its own kernels meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            g.logits = self._static_forward(cache, g, forward)
+        g.graph = graph
+        self.stats.captures += 1
 
     def step(self, cache: Cache, token_ids, forward: Callable) -> torch.Tensor | None:
         """`token_ids` (1 to `max_tokens` of them) appended to a slot session: float32 logits of every new
@@ -187,6 +198,8 @@ class GraphedDecode:
             self._lose(cache, "longer than the capacity")
             return None
         g = self._graph(cache, slot, n, forward)
+        if g.failed:
+            return None
         if n == 1:
             g.ids.fill_(int(token_ids[0]))
             g.pos.fill_(start)

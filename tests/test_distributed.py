@@ -225,7 +225,7 @@ def test_drafter_killed_mid_generation(pipelined, prompt_ids, references):
         try:
             ray.get(pipelined.drafter.ready.remote(), timeout=60)
             break
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             assert time.time() < deadline, "the drafter did not come back"
             time.sleep(0.5)
     fallbacks = pipelined.router.metrics.drafter_fallbacks

@@ -117,6 +117,7 @@ def test_tiny_run_checks_the_runners_graph_slots(tiny_run):
             assert eq["verifier_stats"]["eager_steps"] > 0  # chains of γ + 1 through the static forward
         speed = t["speed"]
         assert _positive(speed["graphed_ms"]) and speed["stats"]["eager_steps"] > 0 and speed["stats"]["replays"] == 0
+        assert _positive(speed["verify_5_tokens"]["graphed_ms"]) and _positive(speed["verify_5_tokens"]["eager_ms"])
 
 
 def test_sections_runs_only_those_asked_and_rejects_unknown_ones(tmp_path):

@@ -126,9 +126,11 @@ def summary(report: dict) -> list[str]:
             lines.append(f"runner graphs {name} fp32: plain {'EQUAL' if eq['graphed_plain_equal'] else 'DIFFERS'}, "
                          f"speculative, slots on both sides {'EQUAL' if eq['graphed_draft_equal'] else 'DIFFERS'}")
         if "graphed_ms" in speed:
+            verify = next((v for k, v in speed.items() if k.startswith("verify_")), {})
             lines.append(f"runner graphs {name} bf16: eager {speed['eager_ms']:.2f} ms a token, graphed "
                          f"{speed['graphed_ms']:.2f} ms ({speed['eager_over_graphed']:.1f}x), "
-                         f"{speed['stats']['replays']} replays")
+                         f"{speed['stats']['replays']} replays; a chain's verification eager "
+                         f"{verify.get('eager_ms', 0):.2f} ms, graphed {verify.get('graphed_ms', 0):.2f} ms")
     for name, g in s.get("graphed_step", {}).get("targets", {}).items():
         if "error" in g:
             lines.append(f"graphed step {name}: {g['error']}")

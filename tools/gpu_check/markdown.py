@@ -93,11 +93,19 @@ def render(report: dict, title: str) -> str:
                          f"{sp['graphed_ms']:.2f}" if "graphed_ms" in sp else "",
                          f"{sp['eager_over_graphed']:.1f}" if "eager_over_graphed" in sp else "",
                          str(sp["stats"]["replays"]) if "stats" in sp else "",
+                         *_verify(sp),
                          eq.get("error", "") or sp.get("error", "")])
         lines += ["The runner's CUDA-graph slots (`cuda_graphs`): fp32 greedy equality, bf16 ms a token:", ""]
         lines += _table(["target", "plain = eager", "speculative with slots = eager", "eager = transformers", "eager ms",
-                         "graphed ms", "eager / graphed", "replays", "error"], rows)
+                         "graphed ms", "eager / graphed", "replays", "verify γ+1 eager ms", "verify γ+1 graphed ms",
+                         "error"], rows)
     return "\n".join(lines)
+
+
+def _verify(speed: dict) -> tuple[str, str]:
+    """(eager ms, graphed ms) of the chain verification in a runner_graphs speed entry; blank when absent."""
+    v = next((v for k, v in speed.items() if k.startswith("verify_")), None)
+    return (f"{v['eager_ms']:.2f}", f"{v['graphed_ms']:.2f}") if v else ("", "")
 
 
 def _get(table: dict, batch, n) -> float:

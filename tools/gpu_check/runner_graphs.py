@@ -7,7 +7,8 @@ checked where they matter: exactness and speed on the GPU.
   step attends over the valid prefix: another reduction length, so the check records any divergence
   (random weights make near-ties) rather than assume there is none.
 - speed (bf16 targets): one-token plain decoding, eager against replayed, ms a token over 64 tokens
-  after a 128-token prompt, and the replays counted (a replay count of 0 means the graph path never ran).
+  after a 128-token prompt, and the replays counted (a replay count of 0 means the graph path never ran);
+  a chain's verification (γ + 1 tokens scored, then rolled back), eager against replayed.
 """
 
 from __future__ import annotations
@@ -74,14 +75,35 @@ def _ms_per_token(runner: TorchModelRunner, prompt: list[int], tokens: int) -> f
         runner.release(session)
 
 
+def _verify_ms(runner: TorchModelRunner, prompt: list[int], n: int, reps: int) -> float:
+    """A chain's verification: n tokens scored and rolled back, the median ms (the first call captures)."""
+    session = runner.add_session()
+    try:
+        runner.extend(session, prompt)
+        chain, times = prompt[:n], []
+        for _ in range(reps + 1):
+            sync(runner.device)
+            t0 = time.perf_counter()
+            runner.extend(session, chain)[-1].argmax().item()
+            times.append((time.perf_counter() - t0) * 1e3)
+            runner.truncate(session, len(prompt))
+        return sorted(times[1:])[reps // 2]
+    finally:
+        runner.release(session)
+
+
 def _speed(model, tiny: bool) -> dict:
     prompt = random_prompts(model.config.vocab_size, [16 if tiny else 128], seed=9)[0]
     tokens = 8 if tiny else 64
     eager_runner, graphed_runner = TorchModelRunner(model, name="eager"), _graphed(model, "graphed", slots=1)
     eager = [_ms_per_token(eager_runner, prompt, tokens) for _ in range(2)]
     graphed = [_ms_per_token(graphed_runner, prompt, tokens) for _ in range(2)]
+    reps = 3 if tiny else 20
+    verify = {"eager_ms": _verify_ms(eager_runner, prompt, GAMMA + 1, reps),
+              "graphed_ms": _verify_ms(graphed_runner, prompt, GAMMA + 1, reps)}
     return {"prompt": len(prompt), "tokens": tokens, "eager_ms": min(eager), "graphed_ms": min(graphed),
-            "eager_over_graphed": min(eager) / min(graphed), "stats": graphed_runner.graphs.stats.as_dict()}
+            "eager_over_graphed": min(eager) / min(graphed), f"verify_{GAMMA + 1}_tokens": verify,
+            "stats": graphed_runner.graphs.stats.as_dict()}
 
 
 def runner_graphs_section(models: Models, targets, tiny: bool, budget) -> dict:

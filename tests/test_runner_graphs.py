@@ -108,7 +108,7 @@ def test_shared_prefix_stays_in_the_slot(target_fp32, prompt_ids, references):
 
 def test_capture_needs_cuda(target_fp32, caplog):
     with pytest.raises(ValueError, match="CUDA"):
-        GraphedDecode(target_fp32, 30, 16, 1, capture=True)
+        GraphedDecode(target_fp32, 16, 1, capture=True)
     assert TorchModelRunner(target_fp32, "cpu", cuda_graphs=4).graphs is None  # the config's setting, on a CPU
     assert "cuda_graphs ignored" in caplog.text
 

@@ -67,6 +67,22 @@ class GraphStats:
                 "capture_failures": self.capture_failures, "no_slot": self.no_slot, "slots_lost": dict(self.slots_lost)}
 
 
+def capture_graph(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int = 2, pool=None,
+                  error_mode: str = "global") -> tuple[object, torch.Tensor]:
+    """(a torch.cuda.CUDAGraph of `fn()`, its static output): `fn` run `warmup` times on a side stream (as
+    capture wants), then captured. `error_mode` "thread_local" lets other threads launch kernels meanwhile."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
+        out = fn()
+    return graph, out
+
+
 class _WriteAt:
     """Makes a session's cursor layers write at a device position and return their whole buffers, for
     the duration of one static forward (restored afterwards: the eager verbs read `[:length]`)."""
@@ -84,17 +100,17 @@ class _WriteAt:
 
 
 class GraphedDecode:
-    """Slots and their graphs for one model. `forward(**kwargs)` is the model's own call."""
+    """Slots and their graphs for one model (its shapes, device and dtype); `step`'s `forward(**kwargs)` is the
+    model's own call."""
 
-    def __init__(self, model: torch.nn.Module, num_layers: int, capacity: int, slots: int,
-                 capture: bool | None = None, max_tokens: int = 8):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, capacity: int, slots: int, capture: bool | None = None,
+                 max_tokens: int = 8):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         config = model.config.get_text_config(decoder=True)
-        heads = config.num_key_value_heads
+        heads, num_layers = config.num_key_value_heads, config.num_hidden_layers
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.capacity, self.num_layers, self.max_tokens = capacity, num_layers, max_tokens
+        self.capacity, self.max_tokens = capacity, max_tokens
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -173,17 +189,9 @@ class GraphedDecode:
         # warm-up and capture write the last n slots: past the session's valid prefix (it needs room for its
         # own n), masked until rewritten
         g.pos.copy_(self._positions[self.capacity - g.pos.shape[1]:][None])
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._static_forward(cache, g, forward)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         # thread_local: a drafter thread of the same process may launch its own kernels meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            g.logits = self._static_forward(cache, g, forward)
-        g.graph = graph
+        g.graph, g.logits = capture_graph(lambda: self._static_forward(cache, g, forward), self.device,
+                                          pool=self._pool, error_mode="thread_local")
         self.stats.captures += 1
 
     def step(self, cache: Cache, token_ids, forward: Callable) -> torch.Tensor | None:

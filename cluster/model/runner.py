@@ -72,8 +72,8 @@ class TorchModelRunner:
         if cuda_graphs and self.device.type != "cuda" and capture is None:
             log.warning("%s: cuda_graphs ignored on %s (CUDA graphs need a CUDA device)", name, self.device)
             cuda_graphs = 0
-        self.graphs = GraphedDecode(self.model, self.num_layers, min(graph_capacity, self.max_context), cuda_graphs,
-                                    capture, graph_tokens) if cuda_graphs else None
+        self.graphs = GraphedDecode(self.model, min(graph_capacity, self.max_context), cuda_graphs, capture,
+                                    graph_tokens) if cuda_graphs else None
 
     # -- sessions -----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import traceback
 import torch
 from transformers import StaticCache
 
+from cluster.model.graphs import capture_graph
 from tools.gpu_check.costs import context_length
 from tools.gpu_check.shapes import Models
 from tools.gpu_check.timing import median_time, sync
@@ -58,15 +59,7 @@ def graphed_step(model, tiny: bool, reps: int) -> dict:
     if device.type != "cuda":
         out["graph"] = "no CUDA graphs on cpu: eager static-cache step only"
         return out
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
-        for _ in range(3):
-            _step(model, cache, ids, pos, n)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = _step(model, cache, ids, pos, n)  # [1, 1, V], rewritten by each replay
+    graph, logits = capture_graph(lambda: _step(model, cache, ids, pos, n), device, warmup=3)  # [1, 1, V] per replay
     graph_s = median_time(graph.replay, device, reps * 3)
     graph.replay()
     sync(device)

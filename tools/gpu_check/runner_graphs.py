@@ -22,7 +22,7 @@ from cluster.session.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
 from tools.gpu_check.equality import GAMMA, _hf_greedy, first_divergence, random_prompts
 from tools.gpu_check.shapes import Models
-from tools.gpu_check.timing import sync
+from tools.gpu_check.timing import median_time, sync
 
 CAPACITY = 512
 
@@ -76,18 +76,12 @@ def _ms_per_token(runner: TorchModelRunner, prompt: list[int], tokens: int) -> f
 
 
 def _verify_ms(runner: TorchModelRunner, prompt: list[int], n: int, reps: int) -> float:
-    """A chain's verification: n tokens scored and rolled back, the median ms (the first call captures)."""
+    """A chain's verification: n tokens scored and rolled back, the median ms (the warm-up call captures)."""
     session = runner.add_session()
     try:
         runner.extend(session, prompt)
-        chain, times = prompt[:n], []
-        for _ in range(reps + 1):
-            sync(runner.device)
-            t0 = time.perf_counter()
-            runner.extend(session, chain)[-1].argmax().item()
-            times.append((time.perf_counter() - t0) * 1e3)
-            runner.truncate(session, len(prompt))
-        return sorted(times[1:])[reps // 2]
+        return 1e3 * median_time(lambda: runner.extend(session, prompt[:n]), runner.device, reps, warmup=1,
+                                 reset=lambda: runner.truncate(session, len(prompt)))
     finally:
         runner.release(session)
 

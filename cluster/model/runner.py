@@ -21,6 +21,7 @@ from cluster.core.errors import InvalidRequestError, TandemError
 from cluster.core.tree import additive_mask
 from cluster.model.cache import new_cache
 from cluster.model.graphs import GraphedDecode
+from cluster.model.packed import PackedCache, chain_mask, packed_attention, placeholder_mask
 
 if TYPE_CHECKING:
     from cluster.core.tree import TokenTree
@@ -134,16 +135,18 @@ class TorchModelRunner:
         return (hasattr(self.model, "get_decoder") and hasattr(self.model, "lm_head")
                 and not getattr(config, "final_logit_softcapping", None))
 
-    def _forward(self, sessions: Sequence[SessionId], rows: Sequence[int], logits_to_keep, **kwargs):
+    def _forward(self, sessions: Sequence[SessionId], rows: Sequence[int], logits_to_keep, starts=None, **kwargs):
         """The model's forward; logits  # [B, kept, vocab_size]. For sessions in `capture`, the decoder's
-        last hidden state of their first `rows[i]` positions goes to `hidden` (the head then reads the
-        same hidden state: the logits are the model's own)."""
-        if not self.capture.intersection(sessions):
-            return self.model(logits_to_keep=logits_to_keep, **kwargs).logits
-        hidden = self.model.get_decoder()(**kwargs).last_hidden_state  # [B, n, H]
+        last hidden state of their first `rows[i]` positions (from `starts[i]` of the one packed row when
+        given) goes to `hidden` (the head then reads the same hidden state: the logits are the model's own)."""
+        with packed_attention(self.model, packed=starts is not None):
+            if not self.capture.intersection(sessions):
+                return self.model(logits_to_keep=logits_to_keep, **kwargs).logits
+            hidden = self.model.get_decoder()(**kwargs).last_hidden_state  # [B, n, H]
         for i, s in enumerate(sessions):
             if s in self.capture:
-                self.hidden[s] = hidden[i, : rows[i]].to("cpu", torch.bfloat16)
+                b, at = (0, starts[i]) if starts is not None else (i, 0)
+                self.hidden[s] = hidden[b, at: at + rows[i]].to("cpu", torch.bfloat16)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self.model.lm_head(hidden[:, keep, :])
 
@@ -184,114 +187,46 @@ class TorchModelRunner:
     def extend_batch(self, requests: Mapping[SessionId, Sequence[int]],
                      num_logits: Mapping[SessionId, int] | None = None,
                      trees: Mapping[SessionId, tuple[int, "TokenTree"]] | None = None) -> dict[SessionId, torch.Tensor]:
-        """Extend several sessions in one forward pass.
-
-        Cached keys/values are left-padded to a common length and new tokens right-padded; an
-        attention mask hides the padding and position ids keep each session's own positions.
-        `trees`: sessions whose new tokens are `num_prefix` committed tokens and then a token tree's
-        nodes (`requests[s]` = prefix + tree.token_ids), scored as `extend_tree` scores them (all their
-        logits are returned; `keep_tree_path` keeps the accepted branch), in the same forward.
+        """Extend several sessions in one forward pass, packed (packed.py): their new tokens are one
+        sequence for the weights, each at its own position; each attends to its own cache only, which
+        it extends in place. `trees`: sessions whose new tokens are `num_prefix` committed tokens and
+        then a token tree's nodes (`requests[s]` = prefix + tree.token_ids), scored as `extend_tree`
+        scores them (all their logits are returned; `keep_tree_path` keeps the accepted branch).
         """
         requests = {s: list(t) for s, t in requests.items() if len(t) > 0}
         trees = {s: t for s, t in (trees or {}).items() if s in requests}
         if len(requests) <= 1:
             return {s: self.extend_tree(s, t[: trees[s][0]], trees[s][1]) if s in trees
                     else self.extend(s, t, (num_logits or {}).get(s)) for s, t in requests.items()}
-        if trees:
-            return self._extend_batch_masked(requests, num_logits or {}, trees)
         sessions = list(requests)
         states = [self._get(s) for s in sessions]
         for s, state in zip(sessions, states):
             self._check_room(state, s, len(requests[s]))
-        lengths = [state.length for state in states]
-        counts = [len(requests[s]) for s in sessions]
-        keep = [min((num_logits or {}).get(s, counts[i]), counts[i]) for i, s in enumerate(sessions)]
-        batch, past, new = len(sessions), max(lengths), max(counts)
         dev = self.device
-
-        input_ids = torch.zeros(batch, new, dtype=torch.long, device=dev)  # [B, new]
-        position_ids = torch.zeros(batch, new, dtype=torch.long, device=dev)  # [B, new]
-        attention_mask = torch.zeros(batch, past + new, dtype=torch.long, device=dev)  # [B, past + new]
-        for i, s in enumerate(sessions):
-            input_ids[i, : counts[i]] = torch.tensor(requests[s], device=dev)
-            position_ids[i] = torch.arange(lengths[i], lengths[i] + new, device=dev)
-            attention_mask[i, past - lengths[i] : past + counts[i]] = 1
-
-        cache = self._left_padded_cache(states, lengths, past, new)
-
-        lo = min(c - k for c, k in zip(counts, keep))
-        hi = max(counts)
-        logits = self._forward(sessions, counts, torch.arange(lo, hi, device=dev), input_ids=input_ids,
-                               position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache,
-                               use_cache=True).float()  # [B, hi - lo, vocab_size]
-
-        self._write_back(cache, states, past, counts)
-        return {s: logits[i, counts[i] - keep[i] - lo : counts[i] - lo] for i, s in enumerate(sessions)}
-
-    def _extend_batch_masked(self, requests: dict, num_logits: Mapping, trees: Mapping) -> dict[SessionId, torch.Tensor]:
-        """`extend_batch` with token trees among the sessions: a 4-D additive mask per session (its cache,
-        then its prefix causally and its tree's nodes along their own paths) and per-token positions."""
-        sessions = list(requests)
-        states = [self._get(s) for s in sessions]
-        for s, state in zip(sessions, states):
-            self._check_room(state, s, len(requests[s]))
-        lengths = [state.length for state in states]
         counts = [len(requests[s]) for s in sessions]
-        batch, past, new = len(sessions), max(lengths), max(counts)
-        input_ids = torch.zeros(batch, new, dtype=torch.long)  # [B, new]
-        position_ids = torch.zeros(batch, new, dtype=torch.long)  # [B, new]
-        allowed = torch.zeros(batch, new, past + new, dtype=torch.bool)  # [B, new, past + new]
-        allowed[:, torch.arange(new), past + torch.arange(new)] = True  # every row sees itself (padding too)
-        for i, s in enumerate(sessions):
-            n_i, start = counts[i], lengths[i]
-            input_ids[i, :n_i] = torch.tensor(requests[s])
-            allowed[i, :n_i, past - start:past] = True  # its cache
+        positions, masks, keep = [], [], []
+        for s, state, n in zip(sessions, states, counts):
             if s in trees:
-                num_prefix, tree = trees[s]
-                base = start + num_prefix
-                position_ids[i, :num_prefix] = torch.arange(start, base)
-                position_ids[i, num_prefix:n_i] = base + torch.tensor(tree.position_offsets(), dtype=torch.long)
-                position_ids[i, n_i:] = base + len(tree)
-                allowed[i, :num_prefix, past:past + num_prefix] = torch.ones(num_prefix, num_prefix, dtype=torch.bool).tril()
-                allowed[i, num_prefix:n_i, past:past + num_prefix] = True
-                allowed[i, num_prefix:n_i, past + num_prefix:past + n_i] = tree.attention_mask()
+                pos, allowed = _tree_layout(state.length, *trees[s])
+                masks.append(allowed[None, None].to(dev))  # [1, 1, n, length + n]
+                keep.append(n)
             else:
-                position_ids[i] = torch.arange(start, start + new)
-                allowed[i, :n_i, past:past + n_i] = torch.ones(n_i, n_i, dtype=torch.bool).tril()
-        mask = additive_mask(allowed, self.dtype)
-        cache = self._left_padded_cache(states, lengths, past, new)
-        dev = self.device
-        logits = self._forward(sessions, counts, 0, input_ids=input_ids.to(dev), position_ids=position_ids.to(dev),
-                               attention_mask=mask[:, None].to(dev),  # [B, 1, new, past + new]
-                               past_key_values=cache, use_cache=True).float()  # [B, new, vocab_size]
-        self._write_back(cache, states, past, counts)
-        keep = [n if s in trees else min(num_logits.get(s, n), n) for s, n in zip(sessions, counts)]
-        return {s: logits[i, counts[i] - keep[i]:counts[i]] for i, s in enumerate(sessions)}
-
-    def _left_padded_cache(self, states: list[_Session], lengths: list[int], past: int, new: int) -> Cache:
-        """A batch cache holding each session's keys/values left-padded to `past`, with room for `new`."""
-        cache = new_cache(self.num_layers, capacity=past + new)
-        if past > 0:
-            batch = len(states)
-            for layer_idx, layer in enumerate(cache.layers):
-                first = states[0].cache.layers[layer_idx]
-                keys = first.keys.new_zeros(batch, first.keys.shape[1], past, first.keys.shape[-1])  # [B, H, past, D]
-                values = first.values.new_zeros(batch, first.values.shape[1], past, first.values.shape[-1])
-                for i, state in enumerate(states):
-                    src = state.cache.layers[layer_idx]
-                    if lengths[i]:
-                        keys[i, :, past - lengths[i] :] = src.keys[0, :, : lengths[i]]
-                        values[i, :, past - lengths[i] :] = src.values[0, :, : lengths[i]]
-                layer.update(keys, values)
-        return cache
-
-    @staticmethod
-    def _write_back(cache: Cache, states: list[_Session], past: int, counts: list[int]) -> None:
-        """Append each session's new keys/values (its `counts[i]` positions after `past`) to its own cache."""
-        for i, state in enumerate(states):
-            for layer_idx, layer in enumerate(cache.layers):
-                state.cache.layers[layer_idx].update(layer.keys[i : i + 1, :, past : past + counts[i]],  # [1, H, n_i, D]
-                                                     layer.values[i : i + 1, :, past : past + counts[i]])
+                pos = torch.arange(state.length, state.length + n)
+                masks.append(chain_mask(state.length, n, dev))
+                keep.append(min((num_logits or {}).get(s, n), n))
+            positions.append(pos)
+        cache = PackedCache([state.cache for state in states], counts, masks)
+        rows = torch.cat([torch.arange(start + n - k, start + n) for start, n, k in zip(cache.starts, counts, keep)])
+        input_ids = torch.tensor([[t for s in sessions for t in requests[s]]], dtype=torch.long, device=dev)  # [1, N]
+        logits = self._forward(sessions, counts, rows.to(dev), starts=cache.starts, input_ids=input_ids,
+                               position_ids=torch.cat(positions)[None].to(dev),  # [1, N]
+                               attention_mask=placeholder_mask(dev), past_key_values=cache,
+                               use_cache=True)[0].float()  # [sum(keep), vocab_size]
+        out, at = {}, 0
+        for s, k in zip(sessions, keep):
+            out[s] = logits[at:at + k]
+            at += k
+        return out
 
     # -- token trees ----------------------------------------------------------------------------
     # One session per call (`extend_batch(trees=...)` batches trees across sessions). Works with any attention implementation
@@ -314,16 +249,8 @@ class TorchModelRunner:
         if num_prefix + n == 0:
             return torch.empty(0, self.vocab_size)
         self._check_room(state, session, num_prefix + n)
-        start = state.length
-        base = start + num_prefix
-        total = base + n
         input_ids = torch.tensor([[*prefix_ids, *tree.token_ids]], dtype=torch.long, device=self.device)  # [1, P + n]
-        positions = torch.cat([torch.arange(start, base), base + torch.tensor(tree.position_offsets(), dtype=torch.long)])
-        allowed = torch.zeros(num_prefix + n, total, dtype=torch.bool)  # [P + n, total]
-        allowed[:, :start] = True
-        allowed[:num_prefix, start:base] = torch.ones(num_prefix, num_prefix, dtype=torch.bool).tril()
-        allowed[num_prefix:, start:base] = True
-        allowed[num_prefix:, base:] = tree.attention_mask()
+        positions, allowed = _tree_layout(state.length, num_prefix, tree)
         mask = additive_mask(allowed, self.dtype)
         return self._forward([session], [num_prefix + n], 0, input_ids=input_ids,
                              position_ids=positions[None].to(self.device),
@@ -356,3 +283,18 @@ class TorchModelRunner:
                 layer.keys[:, :, num_prefix_cached:end] = layer.keys.index_select(2, index)
                 layer.values[:, :, num_prefix_cached:end] = layer.values.index_select(2, index)
         state.cache.crop(num_prefix_cached + len(path))
+
+
+def _tree_layout(start: int, num_prefix: int, tree: "TokenTree") -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and mask of `num_prefix` committed tokens (causal) then a tree's nodes after `start`
+    cached tokens: node i at base + depth(i) (base = start + num_prefix), seeing the cache, the prefix
+    and its own ancestors.  # [P + n], [P + n, start + P + n] bool"""
+    n = len(tree)
+    base = start + num_prefix
+    positions = torch.cat([torch.arange(start, base), base + torch.tensor(tree.position_offsets(), dtype=torch.long)])
+    allowed = torch.zeros(num_prefix + n, base + n, dtype=torch.bool)
+    allowed[:, :start] = True
+    allowed[:num_prefix, start:base] = torch.ones(num_prefix, num_prefix, dtype=torch.bool).tril()
+    allowed[num_prefix:, start:base] = True
+    allowed[num_prefix:, base:] = tree.attention_mask()
+    return positions, allowed

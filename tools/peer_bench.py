@@ -195,6 +195,7 @@ class Process:
 
     def __init__(self, name: str, argv: list[str], url: str, env: dict, log_path: str, timeout_s: float = 600):
         self.name, self.url = name, url
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)  # --peer-logs DIR need not exist
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)

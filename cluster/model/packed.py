@@ -21,8 +21,8 @@ interface works: Llama, Mistral, Qwen2 and their kin.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import threading
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 

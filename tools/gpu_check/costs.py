@@ -1,7 +1,7 @@
 """What one round costs on the device: the verify-cost curve, the draft cost ratio c, the loop's overhead.
 
 - verify cost: one forward of n tokens (n = 1 is one target step) through the runner's own API
-  (`extend` for batch 1, `extend_batch` for batch 8, whose left-padded batch cache is part of its cost),
+  (`extend` for batch 1, `extend_batch` for batch 8: the packed step, per-session attention, cluster/model/packed.py),
   at a fixed context, as a multiple of one step;
 - c: one draft step (a `LlamaPacer` / `FeaturePacer` step: what a draft pays per token, its argmax sync
   included) over one target step, for every draft shape against every target;

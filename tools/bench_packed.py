@@ -1,0 +1,88 @@
+"""The torch runner's batched step, side by side with another runner module in one process.
+
+Times `extend_batch` (median of repeats, each rolled back) at several batch sizes, cached lengths and new
+tokens a session, for the runner of this checkout and for a runner module from a file (`--old`, e.g. the
+left-padded one before the packed step):
+
+    git show a6bd975~1:cluster/model/runner.py > /tmp/runner_old.py
+    python -m tools.bench_packed --old /tmp/runner_old.py --threads 1
+
+The two runners share one model (bf16 by default), the same sessions and the same order of runs (old,
+new, old, new; the faster of each pair's runs is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cluster.model.models import load_causal_lm
+from cluster.model.runner import TorchModelRunner
+
+CASES = [(1, 300, 1), (4, 300, 1), (8, 300, 1), (16, 300, 1), (8, 300, 6), (16, 300, 6), (16, 1000, 1)]
+
+
+def _load_runner(path: str):
+    spec = importlib.util.spec_from_file_location("runner_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module.TorchModelRunner
+
+
+def _setup(runner_cls, model, batch: int, length: int):
+    g = torch.Generator().manual_seed(0)
+    runner = runner_cls(model)
+    for i in range(batch):
+        runner.add_session(i)
+        runner.extend(i, torch.randint(0, 49000, (length + 7 * i,), generator=g).tolist())
+    return runner
+
+
+def _time(runner, batch: int, n: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        lengths = {i: runner.length(i) for i in range(batch)}
+        start = time.perf_counter()
+        runner.extend_batch({i: [5] * n for i in range(batch)}, num_logits={i: n for i in range(batch)})
+        times.append(time.perf_counter() - start)
+        for i in range(batch):
+            runner.truncate(i, lengths[i])
+    return statistics.median(times) * 1e3
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", required=True, help="a runner module's file to compare with")
+    parser.add_argument("--model", default=str(Path.home() / ".cache/tandem/models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load_causal_lm(args.model, args.dtype)
+    old_cls = _load_runner(args.old)
+    rows = []
+    print("| sessions | cached tokens | new tokens each | old ms | packed ms | speedup |\n|---|---|---|---|---|---|")
+    for batch, length, n in CASES:
+        old, new = _setup(old_cls, model, batch, length), _setup(TorchModelRunner, model, batch, length)
+        runs = [_time(r, batch, n, args.repeats) for r in (old, new, old, new)]
+        row = {"sessions": batch, "cached": length, "new": n, "old_ms": min(runs[0], runs[2]),
+               "new_ms": min(runs[1], runs[3])}
+        rows.append(row)
+        print(f"| {batch} | {length}+ | {n} | {row['old_ms']:.1f} | {row['new_ms']:.1f} | "
+              f"{row['old_ms'] / row['new_ms']:.2f}x |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"threads": args.threads, "dtype": args.dtype, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ import torch
 from cluster.core.config import EngineConfig
 from cluster.core.errors import ConfigError
 from cluster.model import models
+from cluster.model.onednn import pack_linears
 from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
 from drafts.factory import make_proposer
@@ -28,6 +29,8 @@ def build_decoder(config: EngineConfig) -> SpeculativeDecoder:
     proposer = make_proposer(config, target_model, tokenizer)
     log.info("engine: target=%s proposer=%s γ=%d dtype=%s", path, config.proposer,
              config.num_speculative_tokens, config.dtype)
+    if config.onednn:  # after the proposer: a draft copied from the target copies plain linears
+        pack_linears(target_model, "target")
     target = TorchModelRunner(target_model, name="target", cuda_graphs=config.cuda_graphs)
     return SpeculativeDecoder(target, proposer, tokenizer,
                               config.num_speculative_tokens)

@@ -21,6 +21,7 @@ interface works: Llama, Mistral, Qwen2 and their kin.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -37,13 +38,11 @@ PACKED = "tandem_packed"
 
 @dataclass
 class _Views:
-    """What a packed cache's `update` hands the attention as its keys: each session's keys (and, as the
-    values, each session's values), its rows of the packed queries and its mask."""
+    """What a packed cache's `update` hands the attention as its keys: each session's keys (the values come
+    as the values) and the cache, whose `starts`, `counts` and `masks` say which query rows and mask are whose."""
 
     keys: list[torch.Tensor]  # each [1, H_kv, length_i + n_i, D]
-    starts: list[int]
-    counts: list[int]
-    masks: list[torch.Tensor | None]  # each [1, 1, n_i, length_i + n_i] bool (True: attend), None: attend to all
+    cache: PackedCache
 
 
 class PackedCache(Cache):
@@ -52,8 +51,9 @@ class PackedCache(Cache):
 
     def __init__(self, caches: Sequence[Cache], counts: Sequence[int], masks: Sequence[torch.Tensor | None]):
         super().__init__(layers=[])  # the layers are the sessions' own
-        self.caches, self.counts, self.masks = list(caches), list(counts), list(masks)
-        self.starts = [sum(self.counts[:i]) for i in range(len(self.counts))]
+        self.caches, self.counts = list(caches), list(counts)
+        self.masks = list(masks)  # each [1, 1, n_i, length_i + n_i] bool (True: attend), None: attend to all
+        self.starts = [0, *itertools.accumulate(self.counts)][:-1]  # each session's first row in the packed one
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = [], []
@@ -61,7 +61,7 @@ class PackedCache(Cache):
             k, v = cache.layers[layer_idx].update(key_states[:, :, start:start + n], value_states[:, :, start:start + n])
             keys.append(k)
             values.append(v)
-        return _Views(keys, self.starts, self.counts, self.masks), values
+        return _Views(keys, self), values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always given; nothing may infer them from a packed cache
@@ -84,8 +84,9 @@ def _attend(module, query, key, value, mask, scaling):
 def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     if not isinstance(key, _Views):  # not packed: the mask transformers built for sdpa (registered below)
         return _attend(module, query, key, value, attention_mask, scaling), None
+    plan = key.cache
     out = [_attend(module, query[:, :, start:start + n], k, v, mask, scaling)  # [1, n, H, D]
-           for k, v, start, n, mask in zip(key.keys, value, key.starts, key.counts, key.masks)]
+           for k, v, start, n, mask in zip(key.keys, value, plan.starts, plan.counts, plan.masks)]
     return torch.cat(out, dim=1), None  # [1, sum(n), H, D]
 
 

@@ -9,10 +9,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.core.config import AUTO_PROPOSERS, EngineConfig, PlacementConfig, check_tp_placement
+from cluster.core.config import AUTO_PROPOSERS, EAGLE3, EngineConfig, PlacementConfig, check_tp_placement
 from cluster.core.errors import ConfigError, validation_message
 from cluster.session.loop import LoopConfig
 from drafts.factory import needs_features, speculates
+from drafts.feature_proposer import draft_meta
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,11 @@ class TandemAppConfig(LoopConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "TandemAppConfig":
+        if (self.engine.backend == "torch" and self.speculative and self.engine.proposer == EAGLE3
+                and draft_meta(self.engine.draft).get("kind") != EAGLE3):
+            raise ValueError("proposer 'eagle3' on the torch runner needs `draft`: an EAGLE-3 draft directory with a "
+                             "tandem_draft.json of kind 'eagle3' (python -m tools.eagle3_export_checkpoint writes "
+                             f"one); {self.engine.draft!r} is not one")
         if self.engine.backend == "vllm" and self.speculative and needs_features(self.engine):
             raise ValueError("a feature-fed draft cannot draft for vLLM replicas (vLLM does not return the target's "
                              "hidden states to the proposer); use draft 'int8' or proposer 'ngram'")

@@ -98,6 +98,26 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("embed", target.model.embed_tokens.weight.detach().float().clone(), persistent=False)
         self.register_buffer("head", target.lm_head.weight.detach().float()[d2t].clone(), persistent=False)
 
+    @property
+    def vocab(self) -> torch.Tensor:
+        """The target id of each head row (the feature-fed proposer's name for d2t)  # [K]"""
+        return self.d2t
+
+    @property
+    def feature_layers(self) -> tuple[int, int, int]:
+        """The target layers whose input states it reads (the torch runner's `feature_layers`)."""
+        return self.layers
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target's features it reads: the three layers side by side."""
+        return self.fc.in_features
+
+    def fuse(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's features [m, 3H] (the three layers side by side, as the torch runner captures them with
+        `feature_layers=self.layers`) -> u  # [m, H]"""
+        return self.fc(rows.to(self.fc.weight.dtype))
+
     def fused(self, hidden_states) -> torch.Tensor:
         """transformers' `hidden_states` tuple (each [B, T, H]) -> u  # [B, T, H]."""
         low, mid, high = (hidden_states[i] for i in self.layers)
@@ -143,6 +163,22 @@ def export_vllm(draft: Eagle3Draft, out_dir, dtype: torch.dtype = torch.bfloat16
                    "eagle_aux_hidden_state_layer_ids": list(draft.layers), "tie_word_embeddings": False,
                    "torch_dtype": str(dtype).removeprefix("torch.")})
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def save_tandem(draft: Eagle3Draft, out_dir, meta: dict) -> Path:
+    """tandem's own files for the draft, which `load_eagle3` reads (the torch runner's proposer 'eagle3'):
+    draft.safetensors (bf16: fc, the layer, the norm, d2t; the embedding and head rows come from the target)
+    and tandem_draft.json (`meta` with the kind and the fused layers). They can share a directory with
+    `export_vllm`'s files, so one directory serves on either engine."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.bfloat16().contiguous() if v.is_floating_point() else v.contiguous()
+               for k, v in draft.state_dict().items()}, out / WEIGHTS)
+    meta = {**meta, "kind": KIND, "vocab_size": len(draft.d2t), "fusion_layers": list(draft.layers)}
+    (out / META).write_text(json.dumps(meta, indent=1) + "\n")
     return out
 
 

@@ -11,13 +11,15 @@ import logging
 
 import torch
 
+from cluster.core.config import EAGLE3 as EAGLE3_PROPOSER
 from cluster.core.config import INT8_DRAFT, EngineConfig
 from cluster.core.errors import ConfigError
 from cluster.model import models
 from cluster.model.runner import TorchModelRunner
 from drafts.draft_model import DraftModelProposer, quantized_copy
+from drafts.eagle3_model import KIND as EAGLE3, load_eagle3
 from drafts.feature_model import load_feature_draft
-from drafts.feature_proposer import FeatureProposer, feature_draft_dir, is_feature_draft
+from drafts.feature_proposer import FeatureProposer, draft_meta, feature_draft_dir, feature_layers, is_feature_draft
 from drafts.hybrid import HybridProposer
 from drafts.ngram import NGramProposer, SuffixProposer
 from drafts.proposer import Proposer
@@ -30,9 +32,32 @@ FEATURE_DRAFT_COST_RATIO = 0.1  # the shipped feature-fed draft's c, measured on
 
 
 def needs_features(config: EngineConfig) -> bool:
-    """Whether the configured proposer is fed the target's features (a feature-fed draft model)."""
-    return (config.proposer in ("draft", "hybrid") and config.num_speculative_tokens > 0
-            and is_feature_draft(config.draft))
+    """Whether the configured proposer is fed the target's features by tandem's verifier (a feature-fed draft
+    model; proposer 'eagle3' on the torch runner: on vLLM, vLLM's own method reads them in its step)."""
+    if config.num_speculative_tokens <= 0:
+        return False
+    if config.proposer == EAGLE3_PROPOSER:
+        return config.backend == "torch"
+    return config.proposer in ("draft", "hybrid") and is_feature_draft(config.draft)
+
+
+def target_feature_layers(config: EngineConfig) -> tuple[int, ...] | None:
+    """What the target's runner captures for a feature-fed draft (`TorchModelRunner.feature_layers`): an
+    EAGLE-3 draft's fused layers, else None (the last hidden state)."""
+    return feature_layers(config.draft) if needs_features(config) else None
+
+
+def load_fed_draft(target_model: torch.nn.Module, path, dtype: torch.dtype = torch.bfloat16):
+    """A feature-fed draft from its directory (or the shorthand `feature`): EAGLE-3 or the EAGLE-1 style draft."""
+    if draft_meta(path).get("kind") == EAGLE3:
+        return load_eagle3(target_model, feature_draft_dir(path), dtype)
+    return load_feature_draft(target_model, feature_draft_dir(path), dtype)
+
+
+def feature_cost_ratio(path) -> float:
+    """The draft's measured c when its directory records one (`cost_ratio`), else the shipped draft's."""
+    c = draft_meta(path).get("cost_ratio")
+    return float(c) if isinstance(c, (int, float)) and 0 < c < 1 else FEATURE_DRAFT_COST_RATIO
 
 
 def own_match(config: EngineConfig) -> OwnMatch | None:
@@ -58,11 +83,18 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module | None, ta
     if config.proposer == "auto":
         raise ConfigError("proposer 'auto' is chosen with the engine: set engine.backend to torch or vllm, or serve "
                           "the config (its backend 'auto' is resolved first)")
+    if config.proposer == EAGLE3_PROPOSER:  # the torch runner's EAGLE-3 (vLLM's backend runs its own method)
+        if draft_meta(config.draft).get("kind") != EAGLE3:
+            raise ConfigError(f"proposer 'eagle3' on the torch runner needs an EAGLE-3 draft directory with a "
+                              f"tandem_draft.json of kind {EAGLE3!r} (python -m tools.eagle3_export_checkpoint "
+                              f"writes one); {config.draft!r} is not one")
+        return FeatureProposer(load_fed_draft(target_model, config.draft), tree_width=config.tree_width,
+                               tree_tokens=config.tree_tokens)
     if is_feature_draft(config.draft):  # EAGLE-style: reads the target's features, sent by the verifier
-        model = FeatureProposer(load_feature_draft(target_model, feature_draft_dir(config.draft)),
+        model = FeatureProposer(load_fed_draft(target_model, config.draft),
                                 tree_width=config.tree_width, tree_tokens=config.tree_tokens)
         if config.proposer == "hybrid":
-            return HybridProposer(model, max_ngram=config.max_ngram, cost_ratio=FEATURE_DRAFT_COST_RATIO,
+            return HybridProposer(model, max_ngram=config.max_ngram, cost_ratio=feature_cost_ratio(config.draft),
                                   tree_width=config.tree_width, match_tokens=config.match_tokens)
         return model
     if config.draft == INT8_DRAFT:
@@ -89,7 +121,7 @@ def build_proposer(config: EngineConfig, max_support: int | None = None) -> Prop
     path = models.resolve_model_path(config.target, config.cache_dir)
     tokenizer = models.load_tokenizer(path)
     target = None
-    model_draft = config.proposer in ("draft", "hybrid")
+    model_draft = config.proposer in ("draft", "hybrid", EAGLE3_PROPOSER)
     if model_draft and config.draft == INT8_DRAFT:
         target = models.load_causal_lm(path, "float32", "cpu")  # only to copy and quantise
     elif model_draft and (is_tandem_draft(config.draft) or is_feature_draft(config.draft)):

@@ -24,6 +24,8 @@ class FeatureDraft(nn.Module):
     """fc([f_t; emb(x_{t+1})]) -> one decoder layer -> norm -> f̂_{t+1}; `logits` reads it with the
     target's head rows at `vocab`. The embedding and head are the target's, frozen and not saved."""
 
+    feature_layers = None  # it reads the target's last hidden state (the torch runner's default features)
+
     def __init__(self, target, vocab: torch.Tensor):
         super().__init__()
         from transformers import LlamaModel
@@ -54,6 +56,15 @@ class FeatureDraft(nn.Module):
 
     def logits(self, feats):
         return feats @ self.head.T  # [..., K]
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target's features it reads: its last hidden state."""
+        return self.embed.shape[1]
+
+    def fuse(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's features as the draft's input at a committed position: as they are."""
+        return rows
 
 
 def load_feature_draft(target, out_dir, dtype: torch.dtype = torch.bfloat16) -> FeatureDraft:

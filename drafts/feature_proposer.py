@@ -1,7 +1,10 @@
-"""The feature-fed draft (`drafts.training.feature_draft.FeatureDraft`, EAGLE-style) as a proposer.
+"""The feature-fed drafts as a proposer: the EAGLE-1 style `drafts.feature_model.FeatureDraft` and the EAGLE-3
+`drafts.eagle3_model.Eagle3Draft`.
 
-The draft reads the target's last hidden state: entry t of its one-layer KV cache is computed from
-(f_t, x_{t+1}) and outputs f̂_{t+1}, whose head row predicts x_{t+2}. The verifier sends the target's
+The draft reads the target's features: entry t of its one-layer KV cache is computed from (f_t, x_{t+1}) and
+outputs f̂_{t+1}, whose head row predicts x_{t+2}. f_t is the target's last hidden state for the EAGLE-1
+draft; for EAGLE-3 it is u_t, the draft's `fuse` of the states entering three target layers (the verifier
+sends those side by side, its runner's `feature_layers`), and f̂ is the draft's own g. The verifier sends the target's
 features of committed positions (`add_features`, through the loop's sync ops); beyond them the draft
 feeds its own predicted features, as EAGLE does. Per session it keeps the tokens (committed plus its
 own drafts), a feature per position (the target's for the first `real`, predicted up to `known`) and
@@ -31,20 +34,47 @@ from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 
 FEATURE_DRAFT = "feature"  # engine.draft shorthand: the feature-fed draft shipped in drafts/trained
 SHIPPED = Path(__file__).parent / "trained" / "feature-smollm2-135m"
+EAGLE3_DRAFT = "eagle3"  # engine.draft shorthand: the EAGLE-3 draft shipped in drafts/trained
+SHIPPED_EAGLE3 = Path(__file__).parent / "trained" / "eagle3-smollm2-135m"
+
+
+FEATURE_KINDS = ("feature", "eagle3")  # tandem_draft.json kinds of drafts fed the target's features
+
+
+def draft_meta(path: str | Path) -> dict:
+    """A tandem draft directory's tandem_draft.json ({} when there is none or it is unreadable)."""
+    meta = feature_draft_dir(path) / "tandem_draft.json"
+    try:
+        return json.loads(meta.read_text()) if meta.is_file() else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def is_feature_draft(path: str | Path) -> bool:
-    if str(path) == FEATURE_DRAFT:
-        return True
-    meta = Path(path).expanduser() / "tandem_draft.json"
-    try:
-        return meta.is_file() and json.loads(meta.read_text()).get("kind") == "feature"
-    except (OSError, ValueError):
-        return False
+    """Whether `path` (or the shorthand `feature`) is a draft fed the target's features: the EAGLE-1 style
+    feature draft (the target's last hidden state) or an EAGLE-3 draft (three layers' states, fused)."""
+    return str(path) == FEATURE_DRAFT or draft_meta(path).get("kind") in FEATURE_KINDS
+
+
+def feature_layers(path: str | Path) -> tuple[int, ...] | None:
+    """The target layers whose input states the draft at `path` reads (an EAGLE-3 draft's fused layers), or
+    None for the target's last hidden state: what the torch runner captures for it (`feature_layers`)."""
+    meta = draft_meta(path)
+    return tuple(meta["fusion_layers"]) if meta.get("kind") == "eagle3" else None
 
 
 def feature_draft_dir(path: str | Path) -> Path:
-    return SHIPPED if str(path) == FEATURE_DRAFT else Path(path).expanduser()
+    """The directory of a feature-fed draft: a shorthand's shipped one, else `path`."""
+    return {FEATURE_DRAFT: SHIPPED, EAGLE3_DRAFT: SHIPPED_EAGLE3}.get(str(path), Path(path).expanduser())
+
+
+def target_features(model, ids: torch.Tensor, layers: Sequence[int] | None = None) -> torch.Tensor:
+    """What the verifier's runner sends for `ids` [1, L]: the target's last hidden state  # [L, H], or with
+    `layers` the states entering those layers side by side  # [L, len(layers) * H]."""
+    if not layers:
+        return model.model(input_ids=ids).last_hidden_state[0]
+    states = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+    return torch.cat([states[i][0] for i in layers], -1)
 
 
 @dataclass
@@ -91,20 +121,26 @@ class FeatureProposer(SequenceProposer):
 
     # -- features ---------------------------------------------------------------------------------
 
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """What the verifier's runner must capture for it (`TorchModelRunner.feature_layers`)."""
+        return self.draft.feature_layers
+
     @torch.inference_mode()
     def add_features(self, session: SessionId, start: int, rows: torch.Tensor) -> None:
-        """The target's features of positions start .. start + len(rows) - 1  # rows [m, H]. Positions
-        after them lose their predicted features (they were drafted from the predictions)."""
+        """The target's features of positions start .. start + len(rows) - 1  # rows [m, W] (W: the draft's
+        `feature_width`; an EAGLE-3 draft fuses its three layers' states into one H-wide input here).
+        Positions after them lose their predicted features (they were drafted from the predictions)."""
         st = self._state.get(session)
         if st is None or len(rows) == 0:
             return
-        if rows.shape[-1] != self.hidden_size:
-            raise ValueError(f"features of width {rows.shape[-1]}, the draft reads {self.hidden_size}")
+        if rows.shape[-1] != self.draft.feature_width:
+            raise ValueError(f"features of width {rows.shape[-1]}, the draft reads {self.draft.feature_width}")
         if start > st.real:  # a gap (features lost on the way): drafting waits for a full resend
             return
         end = start + len(rows)
         self._room(st, end)
-        st.feats[start:end] = rows.to(self.device, self.dtype)
+        st.feats[start:end] = self.draft.fuse(rows.to(self.device, self.dtype))
         st.real = st.known = end
         self._crop(st, start)  # entries from `start` on were computed from predicted features
 

@@ -25,7 +25,8 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if _WORKER e
 # together instead of one running the last long module alone.
 LONGEST_FIRST = ("test_greedy_equality", "test_distributed", "test_failover", "test_sampling_e2e", "test_vllm",
                  "test_serving", "test_bad_input", "test_drafts", "test_hybrid", "test_vllm_serving", "test_vllm_apart",
-                 "test_feature_draft", "test_fuzz", "test_feature_serving", "test_logprobs", "test_processors")
+                 "test_feature_draft", "test_fuzz", "test_eagle3_serving", "test_feature_serving", "test_logprobs",
+                 "test_processors")
 # Modules that start vLLM engines (each a Ray cluster, an engine core and its KV cache, GBs of memory): never two
 # at once on the two workers. A CI run lost a vLLM verifier replica while both ran beside each other's load.
 ONE_AT_A_TIME = ("test_vllm", "test_vllm_serving", "test_vllm_apart")

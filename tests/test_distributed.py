@@ -148,6 +148,23 @@ def test_feature_fed_hybrid_greedy_equality(ray_local, prompt_ids, references):
         cluster.shutdown()
 
 
+def test_eagle3_dynamic_trees_greedy_equality(ray_local, prompt_ids, references):
+    """Proposer 'eagle3' on the torch runner: the verifier replica captures the three fused layers' states and
+    sends them over gRPC; the drafter actor's EAGLE-3 draft drafts EAGLE-2 dynamic trees from them."""
+    cluster = start(ray_local, pipeline_depth=1, engine=dict(proposer="eagle3", num_speculative_tokens=3,
+                                                             tree_width=4, tree_tokens=12))
+    try:
+        results = [cluster.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)) for ids in prompt_ids[:2]]
+        for ids, result in zip(prompt_ids, results):
+            assert result.token_ids == references[tuple(ids)], f"diverged on {ids[:6]}..."
+        assert sum(r.stats.accepted for r in results) > 0
+        assert cluster.router.metrics.tree_rounds > 0
+        stats = ray.get(cluster.drafter.stats.remote())
+        assert stats["proposals_without_features"] == 0, "the drafter got the target's three layers every round"
+    finally:
+        cluster.shutdown()
+
+
 def test_ngram_pipelined_greedy_equality(ray_local, prompt_ids, references):
     cluster = start(ray_local, engine=dict(proposer="ngram"), pipeline_depth=2)
     try:

@@ -515,7 +515,7 @@ def test_eagle3_route_serves_the_targets_tokens(server, target_fp32, prompt_ids,
     """Proposer 'eagle3' (backend vllm): vLLM's own EAGLE-3 method runs a draft `export_vllm` wrote inside its
     step, through tandem's replicas, with no drafter. The draft here is untrained: the route and losslessness
     are checked, not α. A per-request draft cap is refused (vLLM's method drafts one length for every
-    request); a directory that is no EAGLE-3 export, or the torch backend, is a clear config error."""
+    request); a directory that is no EAGLE-3 export, on either backend, is a clear config error."""
     import torch
     from ray import serve
 
@@ -524,8 +524,8 @@ def test_eagle3_route_serves_the_targets_tokens(server, target_fp32, prompt_ids,
 
     with pytest.raises(ConfigError, match="eagle3"):
         build_app({"engine": {"backend": "vllm", "proposer": "eagle3", "draft": str(tmp_path)}})
-    with pytest.raises(ConfigError, match="backend 'vllm'"):
-        TandemAppConfig.build({"engine": {"backend": "torch", "proposer": "eagle3"}})
+    with pytest.raises(ConfigError, match="tandem_draft.json of kind 'eagle3'"):
+        TandemAppConfig.build({"engine": {"backend": "torch", "proposer": "eagle3", "draft": str(tmp_path)}})
     torch.manual_seed(0)
     out = export_vllm(Eagle3Draft(target_fp32, torch.arange(4096)), tmp_path / "eagle3")
     serve.run(build_app({"engine": {"backend": "vllm", "dtype": "float32", "proposer": "eagle3", "draft": str(out),

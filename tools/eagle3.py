@@ -42,7 +42,7 @@ from transformers import DynamicCache
 
 from cluster.core.tree import additive_mask
 from cluster.model import models
-from drafts.eagle3_model import KIND, META, WEIGHTS, Eagle3Draft
+from drafts.eagle3_model import META, WEIGHTS, Eagle3Draft, save_tandem
 from drafts.training import restores_torch_threads
 from drafts.training.distill import frequent_vocab
 from drafts.training.feature_draft import _eval_sets
@@ -301,11 +301,7 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
 
 
 def export(target, draft: Eagle3Draft, out: Path, config: Eagle3Config, manifest, names, windows, step, last) -> dict:
-    from safetensors.torch import save_file
-
-    save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in draft.state_dict().items()}, out / WEIGHTS)
-    meta = {"kind": KIND, "target": str(target.config.name_or_path), "vocab_size": len(draft.d2t),
-            "fusion_layers": list(draft.layers),
+    meta = {"target": str(target.config.name_or_path),
             "weights": f"{WEIGHTS} (bf16): fuse, fc, the decoder layer, norm and d2t; the token embedding and "
                        "the head rows at d2t are rebuilt from the target",
             "command": shlex.join(sys.argv), "config": asdict(config), "steps": step,
@@ -314,8 +310,8 @@ def export(target, draft: Eagle3Draft, out: Path, config: Eagle3Config, manifest
                      "answer_tokens": sum(s.answer_tokens for s in manifest.shards if s.file in names)},
             "final_eval": {k: v for k, v in last.items() if k not in ("step", "epoch", "minutes", "loss")},
             "minutes": last["minutes"], "torch": torch.__version__}
-    (out / META).write_text(json.dumps(meta, indent=1) + "\n")
-    return meta
+    save_tandem(draft, out, meta)
+    return json.loads((out / META).read_text())
 
 
 def main(argv: list[str] | None = None) -> None:

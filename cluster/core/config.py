@@ -48,7 +48,8 @@ INT8_DRAFT = "int8"
 # matches made in its step win; tandem's torch step is slower (~52 ms), and the hybrid's int8 rounds pay there
 AUTO_PROPOSERS = {"vllm": "suffix", "torch": "hybrid"}
 PROPOSERS = ("draft", "ngram", "suffix", "hybrid", "eagle3", "none", "auto")
-EAGLE3 = "eagle3"  # vLLM's own EAGLE-3 method over an exported draft: the vLLM backend only
+EAGLE3 = "eagle3"  # an exported EAGLE-3 draft: vLLM's own method on vLLM, the feature-fed proposer on torch
+EAGLE3_DRAFT = "eagle3"  # engine.draft shorthand: the EAGLE-3 draft shipped for the default target
 
 
 class EngineConfig(BaseModel):
@@ -57,8 +58,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     target: str = Field("default", description="Target model: 'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory.")
-    proposer: Literal[PROPOSERS] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model), 'suffix' (the session's own longest suffix match, each draft as long as its tokens pay for their verification, learned from the verdicts; no model; up to max(num_speculative_tokens, match_tokens) tokens), 'hybrid' (a suffix match when one is long enough, else the draft model, chosen per round from each one's acceptance), 'eagle3' (backend vllm only: vLLM's own EAGLE-3 method runs the draft in `draft`, a directory `drafts.eagle3_model.export_vllm` wrote, inside its step on the target's fused layers; a fixed γ for every request), 'none' (plain target decoding) or 'auto' (chosen with the engine, `AUTO_PROPOSERS`: 'suffix' on vLLM, whose step a model draft does not pay against, 'hybrid' on the torch runner; BENCHMARKS.md).")
-    draft: str = Field(INT8_DRAFT, description="Draft model for proposers 'draft' and 'hybrid': 'int8' (int8 dynamic-quantized copy of the target), 'feature' (the feature-fed draft shipped for the default target, drafts/trained/feature-smollm2-135m: it reads the target's last hidden state, which the verifier sends), a tandem draft directory (`tandem drafts distill`) or a local model directory with the target's tokenizer.")
+    proposer: Literal[PROPOSERS] = Field("draft", description="'draft' (a draft model), 'ngram' (prompt lookup, no model), 'suffix' (the session's own longest suffix match, each draft as long as its tokens pay for their verification, learned from the verdicts; no model; up to max(num_speculative_tokens, match_tokens) tokens), 'hybrid' (a suffix match when one is long enough, else the draft model, chosen per round from each one's acceptance), 'eagle3' (the EAGLE-3 draft in `draft`, a directory `python -m tools.eagle3_export_checkpoint` wrote: on vLLM, vLLM's own EAGLE-3 method runs it inside its step on the target's fused layers, one γ for every request; on the torch runner, tandem's feature-fed proposer runs it on the three layers' states the verifier sends, with `tree_width` > 1 as EAGLE-2 dynamic trees), 'none' (plain target decoding) or 'auto' (chosen with the engine, `AUTO_PROPOSERS`: 'suffix' on vLLM, whose step a model draft does not pay against, 'hybrid' on the torch runner; BENCHMARKS.md).")
+    draft: str = Field(INT8_DRAFT, description="Draft model for proposers 'draft' and 'hybrid': 'int8' (int8 dynamic-quantized copy of the target), 'feature' (the feature-fed draft shipped for the default target, drafts/trained/feature-smollm2-135m: it reads the target's last hidden state, which the verifier sends), 'eagle3' (the EAGLE-3 draft shipped for the default target, drafts/trained/eagle3-smollm2-135m: it reads three of the target's layers; proposer 'eagle3' takes it when `draft` is left at 'int8'), a tandem draft directory (`tandem drafts distill`) or a local model directory with the target's tokenizer.")
     num_speculative_tokens: int = Field(3, ge=0, le=32, description="Tokens drafted per round (γ); 0 is plain target decoding.")
     dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Target (and model draft) dtype; the int8 draft computes in float32.")
     device: str | None = Field(None, description="torch device; CUDA when visible, else CPU.")
@@ -80,14 +81,9 @@ class EngineConfig(BaseModel):
         """proposer 'auto' becomes the engine's (`AUTO_PROPOSERS`) once the backend is torch or vllm."""
         if isinstance(data, dict) and data.get("proposer") == "auto" and data.get("backend", "torch") in AUTO_PROPOSERS:
             data = {**data, "proposer": AUTO_PROPOSERS[data.get("backend", "torch")]}
+        if isinstance(data, dict) and data.get("proposer") == EAGLE3 and data.get("draft", INT8_DRAFT) == INT8_DRAFT:
+            data = {**data, "draft": EAGLE3_DRAFT}  # proposer 'eagle3' with no draft of its own: the shipped one
         return data
-
-    @model_validator(mode="after")
-    def _eagle3_on_vllm(self) -> "EngineConfig":
-        if self.proposer == EAGLE3 and self.backend == "torch":
-            raise ValueError("proposer 'eagle3' is vLLM's own EAGLE-3 method: it needs backend 'vllm' (the torch "
-                             "runner does not run vLLM's EAGLE-3 checkpoints)")
-        return self
 
     @property
     def suffix_tokens(self) -> int:

@@ -50,12 +50,13 @@ class TorchModelRunner:
     batches_trees = True  # extend_batch scores token trees beside chains in one forward
 
     def __init__(self, model: torch.nn.Module, name: str = "model", cuda_graphs: int = 0,
-                 graph_capacity: int = 2048, capture: bool | None = None, graph_tokens: int = 8):
+                 graph_capacity: int = 2048, capture: bool | None = None, graph_tokens: int = 8,
+                 feature_layers: Sequence[int] | None = None):
         """`cuda_graphs` > 0: up to that many sessions at once hold a fixed buffer of `graph_capacity`
         tokens, and their steps of up to `graph_tokens` tokens (plain and draft steps, chain
         verification) replay CUDA graphs (graphs.py). Without CUDA it is ignored
         (logged) unless `capture=False` asks for the same static forward run eagerly, which is how its
-        exactness is tested without a GPU."""
+        exactness is tested without a GPU. `feature_layers`: what a captured session's features are (below)."""
         self.model = model.eval()
         self.name = name
         config = model.config.get_text_config(decoder=True)
@@ -66,10 +67,15 @@ class TorchModelRunner:
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self._sessions: dict[SessionId, _Session] = {}
         self._ids = itertools.count()
-        # sessions whose last hidden state (post-norm: what the head reads) each forward keeps, for a
-        # feature-fed draft; `hidden[session]` holds the last forward's rows  # [new positions, H] bf16
+        # sessions whose features each forward keeps, for a feature-fed draft; `hidden[session]` holds the last
+        # forward's rows  # [new positions, H] bf16: the last hidden state (post-norm: what the head reads), or
+        # with `feature_layers` (an EAGLE-3 draft's fused layers) the states entering those layers side by
+        # side  # [new positions, len(feature_layers) * H]
         self.capture: set[SessionId] = set()
         self.hidden: dict[SessionId, torch.Tensor] = {}
+        self.feature_layers = tuple(feature_layers) if feature_layers else None
+        if self.feature_layers and not all(0 <= i < self.num_layers for i in self.feature_layers):
+            raise ValueError(f"feature layers {self.feature_layers} outside the target's {self.num_layers} layers")
         if cuda_graphs and self.device.type != "cuda" and capture is None:
             log.warning("%s: cuda_graphs ignored on %s (CUDA graphs need a CUDA device)", name, self.device)
             cuda_graphs = 0
@@ -135,18 +141,30 @@ class TorchModelRunner:
         return (hasattr(self.model, "get_decoder") and hasattr(self.model, "lm_head")
                 and not getattr(config, "final_logit_softcapping", None))
 
+    @property
+    def feature_width(self) -> int:
+        """The width of a captured position's features."""
+        hidden = self.model.config.get_text_config(decoder=True).hidden_size
+        return hidden * (len(self.feature_layers) if self.feature_layers else 1)
+
     def _forward(self, sessions: Sequence[SessionId], rows: Sequence[int], logits_to_keep, starts=None, **kwargs):
-        """The model's forward; logits  # [B, kept, vocab_size]. For sessions in `capture`, the decoder's
-        last hidden state of their first `rows[i]` positions (from `starts[i]` of the one packed row when
-        given) goes to `hidden` (the head then reads the same hidden state: the logits are the model's own)."""
+        """The model's forward; logits  # [B, kept, vocab_size]. For sessions in `capture`, the features
+        (`feature_layers`) of their first `rows[i]` positions (from `starts[i]` of the one packed row when
+        given) go to `hidden` (the head then reads the decoder's own last hidden state: the logits are the
+        model's own)."""
         with packed_attention(self.model, packed=starts is not None):
             if not self.capture.intersection(sessions):
                 return self.model(logits_to_keep=logits_to_keep, **kwargs).logits
-            hidden = self.model.get_decoder()(**kwargs).last_hidden_state  # [B, n, H]
+            if self.feature_layers:
+                out = self.model.get_decoder()(output_hidden_states=True, **kwargs)
+                hidden = out.last_hidden_state  # [B, n, H]
+                feats = torch.cat([out.hidden_states[i] for i in self.feature_layers], -1)  # [B, n, 3H]
+            else:
+                hidden = feats = self.model.get_decoder()(**kwargs).last_hidden_state  # [B, n, H]
         for i, s in enumerate(sessions):
             if s in self.capture:
                 b, at = (0, starts[i]) if starts is not None else (i, 0)
-                self.hidden[s] = hidden[b, at: at + rows[i]].to("cpu", torch.bfloat16)
+                self.hidden[s] = feats[b, at: at + rows[i]].to("cpu", torch.bfloat16)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self.model.lm_head(hidden[:, keep, :])
 

@@ -286,7 +286,7 @@ class VerifierEngine:
         return len(batch)
 
     def _no_features(self) -> torch.Tensor:
-        return torch.zeros(0, self.runner.model.config.get_text_config().hidden_size, dtype=torch.bfloat16)
+        return torch.zeros(0, self.runner.feature_width, dtype=torch.bfloat16)
 
     def _commit(self, sid: str, state: _Session, rnd: Round, rows: torch.Tensor | None,
                 start: float, end: float) -> RoundResult:

@@ -36,6 +36,7 @@ from cluster.session.loop import LoopConfig
 from cluster.wire.transport import LOOPBACK, Endpoint, advertised_endpoint, bind_host, server_credentials
 from cluster.wire.verifier_pool import VerifierReplicaHandle
 from cluster.wire.verifier_server import serve
+from drafts.factory import target_feature_layers
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ class VerifierRank:
         if config.cuda_graphs and world_size > 1:
             log.warning("cuda_graphs ignored with tensor parallelism (the ranks' collectives are not captured)")
         runner = TorchModelRunner(model, name=f"{replica}/rank{rank}",
-                                  cuda_graphs=config.cuda_graphs if world_size == 1 else 0)
+                                  cuda_graphs=config.cuda_graphs if world_size == 1 else 0,
+                                  feature_layers=target_feature_layers(config))
         self.port, self._endpoint = None, None
         if world_size > 1:
             if rank != 0:

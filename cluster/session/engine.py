@@ -12,7 +12,7 @@ from cluster.model import models
 from cluster.model.onednn import pack_linears
 from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
-from drafts.factory import make_proposer
+from drafts.factory import make_proposer, target_feature_layers
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ def build_decoder(config: EngineConfig) -> SpeculativeDecoder:
              config.num_speculative_tokens, config.dtype)
     if config.onednn:  # after the proposer: a draft copied from the target copies plain linears
         pack_linears(target_model, "target")
-    target = TorchModelRunner(target_model, name="target", cuda_graphs=config.cuda_graphs)
+    target = TorchModelRunner(target_model, name="target", cuda_graphs=config.cuda_graphs,
+                              feature_layers=target_feature_layers(config))
     return SpeculativeDecoder(target, proposer, tokenizer,
                               config.num_speculative_tokens)

@@ -22,6 +22,7 @@ guard. Environment defaults set here: `VLLM_CPU_KVCACHE_SPACE=1` (GiB), `VLLM_HO
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import ray
+import torch
 
 
 def _env_defaults() -> None:
@@ -56,6 +58,10 @@ from cluster.session.speculate import GenerationResult, SpeculationStats, valida
 from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
 from cluster.vllm.protocol import INLINE_ONLY, DrafterSpec, RayDrafter, engine_draft_tokens, inline_matches  # noqa: E402
 from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
+from drafts.eagle3_model import KIND as EAGLE3_KIND  # noqa: E402
+from drafts.eagle3_model import WEIGHTS as EAGLE3_WEIGHTS  # noqa: E402
+from drafts.eagle3_model import export_vllm, load_eagle3  # noqa: E402
+from drafts.feature_proposer import draft_meta, feature_draft_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +141,7 @@ class VLLMEngine:
         if method not in METHODS:
             raise ConfigError(f"unknown vLLM speculative method {method!r}; choose one of {METHODS}")
         if method == "eagle3":
-            eagle3_dir = str(checked_eagle3_dir(eagle3_dir, "eagle3_dir"))
+            eagle3_dir = str(checked_eagle3_dir(eagle3_dir, "eagle3_dir", target, cache_dir))
         if method is not None and num_speculative_tokens < 1:
             method = None
         _env_defaults()
@@ -266,18 +272,35 @@ class VLLMEngine:
 # -- building from tandem's engine config ------------------------------------------------------------------
 
 
-def checked_eagle3_dir(draft: str | os.PathLike | None, field: str = "engine.draft") -> Path:
-    """vLLM's `eagle3` method's draft: a directory `drafts.eagle3_model.export_vllm` wrote (config.json with an
-    Eagle3 architecture, model.safetensors), resolved; a ConfigError naming `field` otherwise."""
-    path = Path(draft or "").expanduser()
+def checked_eagle3_dir(draft: str | os.PathLike | None, field: str = "engine.draft", target: str | os.PathLike = "default",
+                      cache: str | os.PathLike | None = None) -> Path:
+    """vLLM's `eagle3` method's draft, resolved: a directory `drafts.eagle3_model.export_vllm` wrote (config.json
+    with an Eagle3 architecture, model.safetensors), or a tandem EAGLE-3 draft (tandem_draft.json of kind
+    'eagle3', the shorthand 'eagle3' for the shipped one), whose vLLM layout is written once from it and `target`
+    under the cache (`<cache>/eagle3-vllm/`); a ConfigError naming `field` otherwise."""
+    path = feature_draft_dir(draft) if draft else Path("")
+    if draft and _vllm_eagle3_layout(path):
+        return path.resolve()
+    if draft and draft_meta(draft).get("kind") == EAGLE3_KIND:
+        weights = path / EAGLE3_WEIGHTS
+        digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
+        out = models.cache_dir(cache) / "eagle3-vllm" / f"{path.resolve().name}-{digest}"
+        if not _vllm_eagle3_layout(out):
+            target_model = models.load_causal_lm(models.resolve_model_path(target, cache), "float32", "cpu")
+            export_vllm(load_eagle3(target_model, path, torch.float32), out)
+            log.info("tandem's EAGLE-3 draft %s written in vLLM's layout to %s", path, out)
+        return out.resolve()
+    raise ConfigError(f"vLLM's eagle3 method needs {field} to be an EAGLE-3 draft: a directory "
+                      f"drafts.eagle3_model.export_vllm wrote (config.json with an Eagle3 architecture and "
+                      f"model.safetensors) or a tandem EAGLE-3 draft (tandem_draft.json of kind 'eagle3'); got {draft!r}")
+
+
+def _vllm_eagle3_layout(path: Path) -> bool:
     try:
         architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError):
-        architectures = []
-    if not draft or not any("Eagle3" in a for a in architectures) or not (path / "model.safetensors").is_file():
-        raise ConfigError(f"vLLM's eagle3 method needs {field} to be a directory drafts.eagle3_model.export_vllm "
-                          f"wrote (config.json with an Eagle3 architecture and model.safetensors); got {draft!r}")
-    return path.resolve()
+        return False
+    return any("Eagle3" in a for a in architectures) and (path / "model.safetensors").is_file()
 
 
 def drafter_spec(config: EngineConfig) -> DrafterSpec | None:

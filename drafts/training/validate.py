@@ -23,6 +23,7 @@ import torch
 from cluster.core.sampling import SamplingParams
 from cluster.model.runner import TorchModelRunner
 from drafts.cost_model import speedup_from_tokens
+from drafts.feature_proposer import target_features
 from drafts.hybrid import MODEL, NGRAM, HybridProposer
 from drafts.proposer import DraftProposal, SequenceProposer
 from drafts.suffix import suffix_match
@@ -200,7 +201,7 @@ def feature_agreement(target, proposer, prompt_ids: list[int], max_tokens: int, 
                           do_sample=False, max_new_tokens=max_tokens)
     sequence = out[0].tolist()
     tokens = sequence[len(prompt_ids):]
-    feats = target.model(input_ids=out).last_hidden_state[0]  # [L, H]: what the verifier sends
+    feats = target_features(target, out, proposer.feature_layers)  # [L, W]: what the verifier sends
     proposer.start("v", prompt_ids, SamplingParams(max_tokens=max_tokens))
     proposer.add_features("v", 0, feats[: len(prompt_ids) - 1])
     runs = []
@@ -221,7 +222,7 @@ def feature_agreement(target, proposer, prompt_ids: list[int], max_tokens: int, 
 def time_feature_step(target, proposer, prompt_ids: list[int], steps: int = 24) -> float:
     """Seconds per draft token of a feature-fed draft, drafting 4 at a time after the prompt (median)."""
     with torch.inference_mode():
-        feats = target.model(input_ids=torch.tensor([prompt_ids])).last_hidden_state[0]
+        feats = target_features(target, torch.tensor([prompt_ids]), proposer.feature_layers)
     proposer.start("t", prompt_ids, SamplingParams(max_tokens=64))
     proposer.add_features("t", 0, feats[:-1])
     times = []

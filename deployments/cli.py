@@ -14,7 +14,7 @@ import sys
 from transformers.utils import logging as hf_logging
 
 from cluster.core.config import PROPOSERS, EngineConfig
-from cluster.core.errors import InvalidRequestError, TandemError
+from cluster.core.errors import ConfigError, InvalidRequestError, TandemError
 from cluster.core.sampling import SamplingParams
 from cluster.model.models import encode_prompt, prepare_default_model
 from cluster.ray.runtime import ClusterConfig, TandemCluster
@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="override engine.backend: vllm serves the target on vLLM verifier replicas (Ray Serve "
                           "LLM's LLMServer) with tandem's drafter (needs .[vllm]); auto: vLLM when installed")
     srv.add_argument("--proposer", choices=PROPOSERS, help="override engine.proposer")
+    srv.add_argument("--set", dest="engine_set", action="append", default=[], metavar="FIELD=VALUE",
+                     help="override any engine field (repeatable; the value read as YAML), e.g. --set draft=eagle3 "
+                          "--set tree_width=4")
     return parser
 
 
@@ -127,12 +130,26 @@ def _generate(args) -> int:
     return 0
 
 
+def engine_overrides(items: list[str]) -> dict:
+    """`--set FIELD=VALUE` items as engine field changes (values read as YAML: 4 is an int, true a bool)."""
+    import yaml
+
+    changes = {}
+    for item in items:
+        field, sep, value = item.partition("=")
+        if not sep or not field.strip():
+            raise ConfigError(f"--set {item!r}: FIELD=VALUE, e.g. draft=eagle3")
+        changes[field.strip()] = yaml.safe_load(value)
+    return changes
+
+
 def _serve(args) -> int:
     import signal
     import threading
 
     config = load_config(args.config)  # fails fast, naming the field, before Ray starts
     changes = {k: v for k, v in (("backend", args.engine), ("proposer", args.proposer)) if v}
+    changes.update(engine_overrides(args.engine_set))
     if changes:
         config.app_configs = {name: app.with_engine(**changes) for name, app in config.app_configs.items()}
     endpoints = start(config, args.http_port, args.grpc_port)

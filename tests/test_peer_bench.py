@@ -175,9 +175,24 @@ def test_tandem_side_names_become_serve_flags():
     assert tandem_flags("tandem_torch_hybrid") == ["--engine", "torch", "--proposer", "hybrid"]
     assert tandem_flags("tandem_ngram") == ["--proposer", "ngram"]
     assert tandem_flags("tandem_vllm_none") == ["--engine", "vllm", "--proposer", "none"]
-    for bad in ("tandem_gpu", "tandem_vllm_ngram_x", "vllm_tandem", "tandem_ngram_vllm"):
+    assert tandem_flags("tandem_torch_hybrid+draft=eagle3+tree_width=4") == [
+        "--engine", "torch", "--proposer", "hybrid", "--set", "draft=eagle3", "--set", "tree_width=4"]
+    for bad in ("tandem_gpu", "tandem_vllm_ngram_x", "vllm_tandem", "tandem_ngram_vllm", "tandem_torch+draft"):
         with pytest.raises(ValueError, match="unknown server"):
             tandem_flags(bad)
+    # `tandem serve --set`: engine fields read as YAML, validated with the config
+    from cluster.core.errors import ConfigError
+    from deployments.cli import engine_overrides
+    from deployments.config import TandemAppConfig
+
+    changes = engine_overrides(["draft=eagle3", "tree_width=4", "onednn=false"])
+    assert changes == {"draft": "eagle3", "tree_width": 4, "onednn": False}
+    engine = TandemAppConfig.build({"engine": {"backend": "torch"}}).with_engine(**changes).engine
+    assert (engine.draft, engine.tree_width, engine.onednn) == ("eagle3", 4, False)
+    with pytest.raises(ConfigError, match="FIELD=VALUE"):
+        engine_overrides(["draft"])
+    with pytest.raises(ConfigError, match="no_such_field"):
+        TandemAppConfig.build({"engine": {"backend": "torch"}}).with_engine(no_such_field=1)
 
 
 def test_a_side_may_name_its_own_vllm_thread_binding():

@@ -62,8 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--peer-servers", default="vllm,vllm_ngram,tandem",
                        help="with --peer: which servers to start (vllm, vllm_ngram, tandem: --peer-config as it is; "
                             "tandem_<engine>[_<proposer>], e.g. tandem_torch, tandem_vllm_ngram: with `tandem serve "
-                            "--engine E --proposer P`); a side may end in @BIND, its own VLLM_CPU_OMP_THREADS_BIND "
-                            "(vllm@0-1,tandem_vllm_none@0)")
+                            "--engine E --proposer P`), then engine fields as +FIELD=VALUE (`tandem serve --set`, e.g. "
+                            "tandem_torch_hybrid+draft=eagle3); a side may end in @BIND, its own "
+                            "VLLM_CPU_OMP_THREADS_BIND (vllm@0-1,tandem_vllm_none@0)")
     bench.add_argument("--peer-config", default="ray_config.yaml", help="with --peer: tandem's Serve config")
     bench.add_argument("--peer-repeats", type=int, default=2, help="with --peer: batches per server at N streams")
     bench.add_argument("--peer-port", type=int, default=8100, help="with --peer: first port (each server +10)")

@@ -238,7 +238,12 @@ def split_bind(name: str, default: str) -> tuple[str, str]:
 def tandem_flags(name: str) -> list[str]:
     """`tandem serve` flags for a tandem side's name: "tandem" (the config as it is), then optionally an
     engine and a proposer, e.g. "tandem_vllm", "tandem_torch_hybrid", "tandem_vllm_ngram"
-    ("tandem_vllm_none": no speculation at all, not even an idle proposer in the engine)."""
+    ("tandem_vllm_none": no speculation at all, not even an idle proposer in the engine), then any engine
+    fields as "+FIELD=VALUE" (`tandem serve --set`), e.g. "tandem_torch_hybrid+draft=eagle3+tree_width=4"."""
+    name, *sets = name.split("+")
+    for item in sets:
+        if "=" not in item:
+            raise ValueError(f"unknown server {name!r}: after + an engine field as FIELD=VALUE, not {item!r}")
     head, *parts = name.split("_")
     if head != "tandem" or len(parts) > 2:
         raise ValueError(f"unknown server {name!r}: vllm, vllm_ngram or tandem[_{'|'.join(TANDEM_ENGINES)}]"
@@ -251,7 +256,7 @@ def tandem_flags(name: str) -> list[str]:
     if parts:
         raise ValueError(f"unknown server {name!r}: after tandem_ an engine ({', '.join(TANDEM_ENGINES)}) "
                          f"then a proposer ({', '.join(TANDEM_PROPOSERS)})")
-    return flags
+    return flags + [flag for item in sets for flag in ("--set", item)]
 
 
 def tandem_argv(config: str, port: int, grpc_port: int, flags: Sequence[str] = ()) -> list[str]:
@@ -290,7 +295,7 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
             proc = Process(side, argv, url, server_env(bind), os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
             procs.append(proc)
             servers.append(Server(side, url, proc.model))
-            if name.startswith("tandem") and not name.endswith("_none"):
+            if name.startswith("tandem") and not name.split("+")[0].endswith("_none"):
                 servers.append(Server(f"{side}_plain", url, proc.model, PLAIN))
     except Exception:
         for proc in procs:

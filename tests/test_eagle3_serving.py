@@ -142,11 +142,35 @@ def test_shipped_draft_provenance_and_validate_gate(target_fp32, tokenizer):
     assert meta["data"]["answer_tokens"] > 0 and meta["data"]["recipe"]["heldout_prompts"] > 0
     assert (SHIPPED_EAGLE3 / "draft.safetensors").stat().st_size <= 20 * 2**20
     assert {"humaneval", "chat"} <= set(meta["validate"]), "its `drafts validate` report travels with it"
-    proposer = make_proposer(eagle3_config(), target_fp32, tokenizer)
+    proposer = make_proposer(eagle3_config(tree_width=4, tree_tokens=12), target_fp32, tokenizer)
     prompts = [tokenizer(p)["input_ids"] for p in humaneval_prompts()[:2]]  # held out of its training data
-    report = validate(target_fp32, proposer, prompts, max_tokens=24, max_gamma=3)
+    report = validate(target_fp32, proposer, prompts, max_tokens=24, max_gamma=3, vllm_step_s=0.5 * 0.03)
     assert report["alpha"] >= 0.2, report["alpha"]
     assert 0 < report["cost_ratio"] < 0.5 and proposer.num_sessions == 0
+    # per engine: c against each engine's step, the best chain and (torch) the best dynamic-tree budget
+    tree, engines = report["tree"], report["engines"]
+    assert [t["budget"] for t in tree["budgets"]] == [4, 8, 12] and tree["depth"] == 3
+    for t in tree["budgets"]:
+        assert 1.0 < t["tokens_per_round"] <= 4.0 and 0 < t["mean_nodes"] <= t["budget"]
+    # a wider tree holds the chain's path and more: it commits at least as much a round as a 1-wide one would
+    chain = report["by_gamma"][2]["mean_accepted_length"]
+    assert tree["budgets"][-1]["tokens_per_round"] >= chain - 0.05, (tree, chain)
+    assert engines["torch"]["tree_budget"] in (4, 8, 12) and engines["torch"]["tree_predicted_speedup"] > 0
+    assert engines["vllm"]["cost_ratio"] > engines["torch"]["cost_ratio"] or report["target_step_s"] < 0.015
+    assert 1 <= engines["vllm"]["chain_gamma"] <= 3 and "tree_predicted_speedup" not in engines["vllm"]
+    assert report["verify_curve"][1] == 1.0 and report["verify_curve"][32] > 1.0
+
+
+def test_verify_cost_and_tree_paths():
+    from drafts.training.validate_engines import accepted_path, verify_cost
+
+    curve = {1: 0.01, 2: 0.011, 4: 0.013, 8: 0.02}
+    assert verify_cost(curve, 1) == 1.0 and abs(verify_cost(curve, 3) - 1.2) < 1e-9
+    assert abs(verify_cost(curve, 6) - 1.65) < 1e-9 and abs(verify_cost(curve, 12) - 2.7) < 1e-9  # extrapolated
+    # root children 5 and 7; 7 -> 8 -> 9; 5 -> 6
+    tokens, parents = [5, 7, 6, 8, 9], [-1, -1, 0, 1, 3]
+    assert accepted_path(tokens, parents, [7, 8, 9, 1]) == 3 and accepted_path(tokens, parents, [5, 6, 6]) == 2
+    assert accepted_path(tokens, parents, [4]) == 0 and accepted_path([], [], [1]) == 0
 
 
 def test_the_shipped_draft_is_written_in_vllms_layout_once(tmp_path, model_dir):

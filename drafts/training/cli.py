@@ -71,6 +71,12 @@ def add_drafts_parser(sub) -> None:
     val.add_argument("--json", metavar="FILE")
     val.add_argument("--plot", metavar="FILE", help="PNG: acceptance by position, predicted speedup by γ")
     val.add_argument("--min-acceptance", type=float, help="exit 1 when α is below this")
+    val.add_argument("--tree-width", type=int, default=1,
+                     help="a feature-fed draft's dynamic tree: nodes expanded per depth (1: chains only)")
+    val.add_argument("--tree-tokens", type=int, default=16, help="the dynamic tree's node budget")
+    val.add_argument("--vllm-step-ms", type=float,
+                     help="vLLM's step on this machine (e.g. from `python -m tools bench --peer`): adds its "
+                          "engine's c and predicted speedup")
     val.add_argument("--record", action="store_true",
                      help="write the report's summary into the draft directory's tandem_draft.json (under "
                           "validate.<workload>), beside its provenance")
@@ -126,11 +132,13 @@ def run_drafts(args) -> int:
             raise ConfigError(f"cannot read workload file {args.workload}: {e}") from None
         chat = False
     target = models.load_causal_lm(target_path, args.dtype, "cpu")
-    engine = EngineConfig.build(target=str(target_path), draft=args.draft, dtype=args.dtype, cache_dir=args.cache_dir)
+    engine = EngineConfig.build(target=str(target_path), draft=args.draft, dtype=args.dtype, cache_dir=args.cache_dir,
+                                tree_width=args.tree_width, tree_tokens=args.tree_tokens)
     proposer = make_proposer(engine, target, tokenizer)
     draft = proposer if getattr(proposer, "needs_features", False) else proposer.runner.model
     prompts = [encode_prompt(tokenizer, t, chat) for t in texts]
-    report = v.validate(target, draft, prompts, args.max_tokens, args.max_gamma)
+    report = v.validate(target, draft, prompts, args.max_tokens, args.max_gamma,
+                        vllm_step_s=args.vllm_step_ms / 1e3 if args.vllm_step_ms else None)
     report.update(target=str(target_path), draft=args.draft, workload=args.workload, dtype=args.dtype,
                   threads=args.threads)
     print(v.format_report(report))
@@ -144,6 +152,17 @@ def run_drafts(args) -> int:
         print(f"tandem: α = {report['alpha']:.3f} is below --min-acceptance {args.min_acceptance}", file=sys.stderr)
         return 1
     return 0
+
+
+def _rounded(x):
+    """A report's figures to 4 decimals, for tandem_draft.json."""
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
 
 
 def _record_validation(args, report: dict) -> None:
@@ -161,5 +180,7 @@ def _record_validation(args, report: dict) -> None:
         "acceptance_by_position": [round(a, 4) for a in report["acceptance_by_position"]],
         "recommended_gamma": report["recommended_gamma"],
         "predicted_sequential_speedup": round(report["best_predicted_sequential_speedup"], 3),
-        "hybrid_predicted_sequential_speedup": round(hybrid["best_predicted_sequential_speedup"], 3)}
+        "hybrid_predicted_sequential_speedup": round(hybrid["best_predicted_sequential_speedup"], 3),
+        "engines": _rounded(report["engines"]),
+        **({"tree": _rounded(report["tree"])} if report.get("tree") else {})}
     meta_file.write_text(json.dumps(meta, indent=1) + "\n")

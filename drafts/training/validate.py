@@ -24,6 +24,7 @@ from cluster.core.sampling import SamplingParams
 from cluster.model.runner import TorchModelRunner
 from drafts.cost_model import speedup_from_tokens
 from drafts.feature_proposer import target_features
+from drafts.training.validate_engines import CURVE_SIZES, engine_report, tree_report, verify_curve
 from drafts.hybrid import MODEL, NGRAM, HybridProposer
 from drafts.proposer import DraftProposal, SequenceProposer
 from drafts.suffix import suffix_match
@@ -236,8 +237,9 @@ def time_feature_step(target, proposer, prompt_ids: list[int], steps: int = 24) 
 
 
 def validate(target, draft, prompts: list[list[int]], max_tokens: int = 64, max_gamma: int = 8,
-             timing_prompt: list[int] | None = None) -> dict:
-    """`draft`: a draft model, or a feature-fed draft's proposer (`FeatureProposer`)."""
+             timing_prompt: list[int] | None = None, vllm_step_s: float | None = None) -> dict:
+    """`draft`: a draft model, or a feature-fed draft's proposer (`FeatureProposer`; with `tree_width` > 1 its
+    dynamic tree is replayed too). `vllm_step_s`: vLLM's step on this machine, for its engine's prediction."""
     feature = getattr(draft, "needs_features", False)
     if feature:
         records = [feature_agreement(target, draft, ids, max_tokens, max_gamma) for ids in prompts]
@@ -267,7 +269,15 @@ def validate(target, draft, prompts: list[list[int]], max_tokens: int = 64, max_
                           "predicted_pipelined_speedup": speedup_from_tokens(e, gamma, c, pipelined=True)})
     best_seq = max(per_gamma, key=lambda g: g["predicted_sequential_speedup"])
     best_pipe = max(per_gamma, key=lambda g: g["predicted_pipelined_speedup"])
-    return {"alpha": alpha, "cost_ratio": c, "target_step_s": t_target, "draft_step_s": t_draft,
+    tree = None
+    if feature and getattr(draft, "tree_width", 1) > 1:
+        tree = tree_report(target, draft, prompts, max_tokens, min(max_gamma, 6))
+    widest = max([t["mean_nodes"] for t in tree["budgets"]] if tree else [0])
+    curve = verify_curve(target, timing_prompt, sizes=CURVE_SIZES + ((64,) if widest > 31 else ()))
+    partial = {"target_step_s": t_target, "draft_step_s": t_draft, "by_gamma": per_gamma}
+    return {"engines": engine_report(partial, curve, tree, vllm_step_s), "tree": tree,
+            "verify_curve": {n: s / curve[1] for n, s in curve.items()},
+            "alpha": alpha, "cost_ratio": c, "target_step_s": t_target, "draft_step_s": t_draft,
             "positions": len(agree_all), "prompts": len(prompts), "max_tokens": max_tokens,
             "acceptance_by_position": per_gamma[-1]["acceptance_by_position"],
             "by_gamma": per_gamma, "recommended_gamma": best_seq["gamma"],
@@ -312,6 +322,21 @@ def format_report(report: dict) -> str:
     lines.append(f"recommended γ: {report['recommended_gamma']} sequential "
                  f"({report['best_predicted_sequential_speedup']:.2f}x), {report['recommended_gamma_pipelined']} "
                  f"pipelined ({report['best_predicted_pipelined_speedup']:.2f}x)")
+    tree = report.get("tree")
+    for t in tree["budgets"] if tree else []:
+        lines.append(f"dynamic tree (width {tree['width']}, depth {tree['depth']}, ≤ {t['budget']} nodes): "
+                     f"{t['tokens_per_round']:.2f} tokens a round, {t['mean_nodes']:.1f} nodes; accepted at depth "
+                     + " ".join(f"{a:.2f}" for a in t["accepted_at_depth"]))
+    curve = report.get("verify_curve")
+    if curve:
+        lines.append("verifying n tokens, in target steps: " + " ".join(f"{n}:{v:.2f}" for n, v in curve.items()))
+    for name, e in (report.get("engines") or {}).items():
+        line = (f"on {name} (step {e['step_s'] * 1e3:.1f} ms, {e['step_source']}): c {e['cost_ratio']:.3f}, chain γ "
+                f"{e['chain_gamma']} {e['chain_tokens_per_round']:.2f} tokens a round, predicted "
+                f"{e['chain_predicted_speedup']:.2f}x")
+        if "tree_predicted_speedup" in e:
+            line += f"; tree of ≤ {e['tree_budget']} nodes {e['tree_predicted_speedup']:.2f}x"
+        lines.append(line)
     sources = report.get("sources")
     if sources:
         ngram, hybrid = sources["ngram"], sources["hybrid"]

@@ -55,9 +55,18 @@ def load_fed_draft(target_model: torch.nn.Module, path, dtype: torch.dtype = tor
 
 
 def feature_cost_ratio(path) -> float:
-    """The draft's measured c when its directory records one (`cost_ratio`), else the shipped draft's."""
-    c = draft_meta(path).get("cost_ratio")
-    return float(c) if isinstance(c, (int, float)) and 0 < c < 1 else FEATURE_DRAFT_COST_RATIO
+    """The hybrid's c for a feature-fed draft: its directory's `cost_ratio` when it records one; for an EAGLE-3
+    draft the mean c of its `drafts validate` records (the torch engine's step, as recorded); else the shipped
+    EAGLE-1 style draft's, measured served (`FEATURE_DRAFT_COST_RATIO`)."""
+    meta = draft_meta(path)
+    top = meta.get("cost_ratio")
+    if isinstance(top, (int, float)) and 0 < top < 1:
+        return float(top)
+    records = [r.get("cost_ratio") for r in (meta.get("validate") or {}).values() if isinstance(r, dict)]
+    records = [float(c) for c in records if isinstance(c, (int, float)) and 0 < c < 1]
+    if meta.get("kind") == EAGLE3 and records:
+        return sum(records) / len(records)
+    return FEATURE_DRAFT_COST_RATIO
 
 
 def own_match(config: EngineConfig) -> OwnMatch | None:

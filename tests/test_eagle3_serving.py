@@ -55,6 +55,12 @@ def test_config_routes_the_shipped_draft_and_refuses_others(tmp_path):
     assert not needs_features(EngineConfig.build(proposer="eagle3", backend="vllm"))
     with pytest.raises(ConfigError, match="kind 'eagle3'"):
         make_proposer(eagle3_config(draft=str(tmp_path)), None, None)
+    # inside the hybrid, its c is the one its `drafts validate` records measured
+    from drafts.factory import FEATURE_DRAFT_COST_RATIO, feature_cost_ratio
+
+    records = json.loads((SHIPPED_EAGLE3 / "tandem_draft.json").read_text())["validate"].values()
+    assert feature_cost_ratio("eagle3") == pytest.approx(sum(r["cost_ratio"] for r in records) / len(records))
+    assert feature_cost_ratio("feature") == FEATURE_DRAFT_COST_RATIO
 
 
 def test_the_runner_sends_the_three_layers(target_fp32, tokenizer):

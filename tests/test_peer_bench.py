@@ -177,6 +177,11 @@ def test_tandem_side_names_become_serve_flags():
     assert tandem_flags("tandem_vllm_none") == ["--engine", "vllm", "--proposer", "none"]
     assert tandem_flags("tandem_torch_hybrid+draft=eagle3+tree_width=4") == [
         "--engine", "torch", "--proposer", "hybrid", "--set", "draft=eagle3", "--set", "tree_width=4"]
+    from tools.peer_bench import has_plain_side
+
+    assert has_plain_side("tandem") and has_plain_side("tandem_torch_eagle3") and has_plain_side("tandem_vllm+k=1")
+    assert not has_plain_side("vllm") and not has_plain_side("tandem_vllm_none")
+    assert not has_plain_side("tandem_vllm_eagle3")  # vLLM's own method refuses a per-request draft length
     for bad in ("tandem_gpu", "tandem_vllm_ngram_x", "vllm_tandem", "tandem_ngram_vllm", "tandem_torch+draft"):
         with pytest.raises(ValueError, match="unknown server"):
             tandem_flags(bad)

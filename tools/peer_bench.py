@@ -259,6 +259,14 @@ def tandem_flags(name: str) -> list[str]:
     return flags + [flag for item in sets for flag in ("--set", item)]
 
 
+def has_plain_side(name: str) -> bool:
+    """Whether a server gets a `_plain` side (plain decoding through it, `num_speculative_tokens: 0` per request):
+    a speculative tandem, except on vLLM's own eagle3 method, which refuses a per-request draft length."""
+    base = name.split("+")[0]
+    return base.startswith("tandem") and not base.endswith("_none") and not (
+        base.endswith("_eagle3") and "_torch" not in base)
+
+
 def tandem_argv(config: str, port: int, grpc_port: int, flags: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "deployments.cli", "serve", "--config", config, "--http-port", str(port),
             "--grpc-port", str(grpc_port), *flags]
@@ -295,7 +303,7 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
             proc = Process(side, argv, url, server_env(bind), os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
             procs.append(proc)
             servers.append(Server(side, url, proc.model))
-            if name.startswith("tandem") and not name.split("+")[0].endswith("_none"):
+            if has_plain_side(name):
                 servers.append(Server(f"{side}_plain", url, proc.model, PLAIN))
     except Exception:
         for proc in procs:

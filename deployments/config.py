@@ -7,7 +7,7 @@ import importlib.util
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.core.config import AUTO_PROPOSERS, EAGLE3, EngineConfig, PlacementConfig, check_tp_placement
 from cluster.core.errors import ConfigError, validation_message
@@ -95,7 +95,21 @@ class VLLMServingConfig(BaseModel):
     wait_first: bool = Field(True, description="Whether a request's first step waits for its first draft (vLLM samples the first token in that step, so waiting may delay it; not waiting costs one plain step). Not waiting did not lower the served TTFT here (BENCHMARKS.md).")
     on_miss: Literal["plain", "wait"] = Field("plain", description="Overlapped, when the drafter's draft missed the committed tokens: 'plain' (one plain step while it redrafts) or 'wait' (wait up to wait_s for the redraft).")
     compile: bool = Field(True, description="vLLM's torch.compile of the model, its own default (false: eager, vLLM's enforce_eager). Measured here on CPU: 31 ms a token against 49 eager at one stream, at 160 s of startup against 35 (BENCHMARKS.md); eager suits short-lived servers such as tests.")
+    speculative_schedule: list[tuple[int, int, int]] | None = Field(None, description="γ by the number of requests in a step: (first, last batch size, γ) ranges from 1, γ 0 for plain steps (vLLM's `num_speculative_tokens_per_batch_size`; never above the engine's γ). E.g. [[1, 2, 3], [3, 4, 2], [5, 8, 1], [9, 9, 0]]: speculate while few requests run (BENCHMARKS.md, eagle3 with γ by batch size).")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="More vLLM engine arguments, passed as they are (e.g. gpu_memory_utilization).")
+
+    @field_validator("speculative_schedule")
+    @classmethod
+    def _schedule(cls, value):
+        if value is None:
+            return value
+        previous = 0
+        for first, last, gamma in sorted(value):
+            if first != previous + 1 or last < first or gamma < 0:
+                raise ValueError("speculative_schedule: ranges (first, last, γ) from batch size 1, contiguous, "
+                                 f"first <= last, γ >= 0; got {value}")
+            previous = last
+        return sorted(value)
     direct_ingress: bool = Field(True, description="The verifier replicas serve the OpenAI and gRPC API themselves (no ingress deployment: Serve's proxy calls them directly, one Serve hop less per streamed chunk; measured faster, BENCHMARKS.md). A replica's death then ends its streams; with the ingress apart (false) they resume on a live replica.")
 
 

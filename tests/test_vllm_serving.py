@@ -147,6 +147,22 @@ def test_replicas_compile_the_model_unless_told_not_to():
     eager = llm_config(TandemAppConfig.build({"engine": engine, "vllm": {"compile": False}})).engine_kwargs
     assert served["enforce_eager"] is False and eager["enforce_eager"] is True
     assert served["speculative_config"]["method"] == "custom_class"
+    assert "num_speculative_tokens_per_batch_size" not in served["speculative_config"]
+
+
+def test_gamma_by_batch_size_reaches_vllm_and_a_bad_schedule_is_refused():
+    """`vllm.speculative_schedule`: vLLM's γ by batch size, in the speculative config of either method."""
+    from deployments.vllm_serving import llm_config
+
+    schedule = [[5, 8, 1], [1, 2, 3], [3, 4, 2], [9, 9, 0]]
+    for proposer in ("suffix", "eagle3"):
+        config = TandemAppConfig.build({"engine": {"backend": "vllm", "proposer": proposer},
+                                        "vllm": {"speculative_schedule": schedule}})
+        spec = llm_config(config).engine_kwargs["speculative_config"]
+        assert spec["num_speculative_tokens_per_batch_size"] == sorted(schedule), proposer
+    for bad in ([[2, 4, 1]], [[1, 2, 3], [4, 5, 1]], [[1, 2, -1]], [[1, 0, 2]]):
+        with pytest.raises(ConfigError, match="speculative_schedule"):
+            TandemAppConfig.build({"engine": {"backend": "vllm"}, "vllm": {"speculative_schedule": bad}})
 
 
 def test_direct_ingress_admits_to_its_bound_and_closes_what_it_opened():

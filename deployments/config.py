@@ -12,8 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.core.config import AUTO_PROPOSERS, EAGLE3, EngineConfig, PlacementConfig, check_tp_placement
 from cluster.core.errors import ConfigError, validation_message
 from cluster.session.loop import LoopConfig
-from drafts.factory import needs_features, speculates
-from drafts.feature_proposer import draft_meta
+from drafts.factory import check_eagle3_draft, needs_features, speculates
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +96,7 @@ class VLLMServingConfig(BaseModel):
     compile: bool = Field(True, description="vLLM's torch.compile of the model, its own default (false: eager, vLLM's enforce_eager). Measured here on CPU: 31 ms a token against 49 eager at one stream, at 160 s of startup against 35 (BENCHMARKS.md); eager suits short-lived servers such as tests.")
     speculative_schedule: list[tuple[int, int, int]] | None = Field(None, description="γ by the number of requests in a step: (first, last batch size, γ) ranges from 1, γ 0 for plain steps (vLLM's `num_speculative_tokens_per_batch_size`; never above the engine's γ). E.g. [[1, 2, 3], [3, 4, 2], [5, 8, 1], [9, 9, 0]]: speculate while few requests run (BENCHMARKS.md, eagle3 with γ by batch size).")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="More vLLM engine arguments, passed as they are (e.g. gpu_memory_utilization).")
+    direct_ingress: bool = Field(True, description="The verifier replicas serve the OpenAI and gRPC API themselves (no ingress deployment: Serve's proxy calls them directly, one Serve hop less per streamed chunk; measured faster, BENCHMARKS.md). A replica's death then ends its streams; with the ingress apart (false) they resume on a live replica.")
 
     @field_validator("speculative_schedule")
     @classmethod
@@ -110,7 +110,6 @@ class VLLMServingConfig(BaseModel):
                                  f"first <= last, γ >= 0; got {value}")
             previous = last
         return sorted(value)
-    direct_ingress: bool = Field(True, description="The verifier replicas serve the OpenAI and gRPC API themselves (no ingress deployment: Serve's proxy calls them directly, one Serve hop less per streamed chunk; measured faster, BENCHMARKS.md). A replica's death then ends its streams; with the ingress apart (false) they resume on a live replica.")
 
 
 def _default_verifier() -> DeploymentSpec:
@@ -168,11 +167,8 @@ class TandemAppConfig(LoopConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "TandemAppConfig":
-        if (self.engine.backend == "torch" and self.speculative and self.engine.proposer == EAGLE3
-                and draft_meta(self.engine.draft).get("kind") != EAGLE3):
-            raise ValueError("proposer 'eagle3' on the torch runner needs `draft`: an EAGLE-3 draft directory with a "
-                             "tandem_draft.json of kind 'eagle3' (python -m tools.eagle3_export_checkpoint writes "
-                             f"one); {self.engine.draft!r} is not one")
+        if self.engine.backend == "torch" and self.speculative and self.engine.proposer == EAGLE3:
+            check_eagle3_draft(self.engine.draft)  # a ConfigError is a ValueError: named like any field's
         if self.engine.backend == "vllm" and self.speculative and needs_features(self.engine):
             raise ValueError("a feature-fed draft cannot draft for vLLM replicas (vLLM does not return the target's "
                              "hidden states to the proposer); use draft 'int8' or proposer 'ngram'")

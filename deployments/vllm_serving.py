@@ -70,7 +70,8 @@ def llm_config(config: TandemAppConfig):
                      "tensor_parallel_size": config.tensor_parallel_size, "enforce_eager": not vllm.compile,
                      "worker_extension_cls": WORKER_EXTENSION, "disable_log_stats": False}
     if config.speculative and engine.proposer == EAGLE3:  # vLLM's own method on the exported draft, in its step
-        engine_kwargs["speculative_config"] = {"method": "eagle3", "model": str(checked_eagle3_dir(engine.draft, "engine.draft", engine.target, engine.cache_dir)),
+        draft_dir = checked_eagle3_dir(engine.draft, "engine.draft", engine.target, engine.cache_dir)
+        engine_kwargs["speculative_config"] = {"method": "eagle3", "model": str(draft_dir),
                                                "num_speculative_tokens": engine.num_speculative_tokens}
     elif config.speculative:
         engine_kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,

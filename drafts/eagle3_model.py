@@ -166,11 +166,11 @@ def export_vllm(draft: Eagle3Draft, out_dir, dtype: torch.dtype = torch.bfloat16
     return out
 
 
-def save_tandem(draft: Eagle3Draft, out_dir, meta: dict) -> Path:
+def save_tandem(draft: Eagle3Draft, out_dir, meta: dict) -> dict:
     """tandem's own files for the draft, which `load_eagle3` reads (the torch runner's proposer 'eagle3'):
     draft.safetensors (bf16: fc, the layer, the norm, d2t; the embedding and head rows come from the target)
     and tandem_draft.json (`meta` with the kind and the fused layers). They can share a directory with
-    `export_vllm`'s files, so one directory serves on either engine."""
+    `export_vllm`'s files, so one directory serves on either engine. Returns the tandem_draft.json written."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -179,7 +179,7 @@ def save_tandem(draft: Eagle3Draft, out_dir, meta: dict) -> Path:
                for k, v in draft.state_dict().items()}, out / WEIGHTS)
     meta = {**meta, "kind": KIND, "vocab_size": len(draft.d2t), "fusion_layers": list(draft.layers)}
     (out / META).write_text(json.dumps(meta, indent=1) + "\n")
-    return out
+    return meta
 
 
 def load_eagle3(target, out_dir, dtype: torch.dtype = torch.bfloat16) -> Eagle3Draft:

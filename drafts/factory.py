@@ -11,15 +11,16 @@ import logging
 
 import torch
 
-from cluster.core.config import EAGLE3 as EAGLE3_PROPOSER
+from cluster.core.config import EAGLE3
 from cluster.core.config import INT8_DRAFT, EngineConfig
 from cluster.core.errors import ConfigError
 from cluster.model import models
 from cluster.model.runner import TorchModelRunner
 from drafts.draft_model import DraftModelProposer, quantized_copy
-from drafts.eagle3_model import KIND as EAGLE3, load_eagle3
+from drafts.eagle3_model import load_eagle3
 from drafts.feature_model import load_feature_draft
-from drafts.feature_proposer import FeatureProposer, draft_meta, feature_draft_dir, feature_layers, is_feature_draft
+from drafts.feature_proposer import (FeatureProposer, draft_meta, feature_draft_dir, feature_layers, is_eagle3_draft,
+                                     is_feature_draft)
 from drafts.hybrid import HybridProposer
 from drafts.ngram import NGramProposer, SuffixProposer
 from drafts.proposer import Proposer
@@ -36,7 +37,7 @@ def needs_features(config: EngineConfig) -> bool:
     model; proposer 'eagle3' on the torch runner: on vLLM, vLLM's own method reads them in its step)."""
     if config.num_speculative_tokens <= 0:
         return False
-    if config.proposer == EAGLE3_PROPOSER:
+    if config.proposer == EAGLE3:
         return config.backend == "torch"
     return config.proposer in ("draft", "hybrid") and is_feature_draft(config.draft)
 
@@ -47,9 +48,17 @@ def target_feature_layers(config: EngineConfig) -> tuple[int, ...] | None:
     return feature_layers(config.draft) if needs_features(config) else None
 
 
+def check_eagle3_draft(draft: str) -> None:
+    """Proposer 'eagle3' on the torch runner: `draft` must hold tandem's files of an EAGLE-3 draft."""
+    if not is_eagle3_draft(draft):
+        raise ConfigError(f"proposer 'eagle3' on the torch runner needs `draft`: an EAGLE-3 draft directory with a "
+                          f"tandem_draft.json of kind 'eagle3' (python -m tools.eagle3_export_checkpoint writes one); "
+                          f"{draft!r} is not one")
+
+
 def load_fed_draft(target_model: torch.nn.Module, path, dtype: torch.dtype = torch.bfloat16):
     """A feature-fed draft from its directory (or the shorthand `feature`): EAGLE-3 or the EAGLE-1 style draft."""
-    if draft_meta(path).get("kind") == EAGLE3:
+    if is_eagle3_draft(path):
         return load_eagle3(target_model, feature_draft_dir(path), dtype)
     return load_feature_draft(target_model, feature_draft_dir(path), dtype)
 
@@ -64,7 +73,7 @@ def feature_cost_ratio(path) -> float:
         return float(top)
     records = [r.get("cost_ratio") for r in (meta.get("validate") or {}).values() if isinstance(r, dict)]
     records = [float(c) for c in records if isinstance(c, (int, float)) and 0 < c < 1]
-    if meta.get("kind") == EAGLE3 and records:
+    if is_eagle3_draft(path) and records:
         return sum(records) / len(records)
     return FEATURE_DRAFT_COST_RATIO
 
@@ -92,11 +101,8 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module | None, ta
     if config.proposer == "auto":
         raise ConfigError("proposer 'auto' is chosen with the engine: set engine.backend to torch or vllm, or serve "
                           "the config (its backend 'auto' is resolved first)")
-    if config.proposer == EAGLE3_PROPOSER:  # the torch runner's EAGLE-3 (vLLM's backend runs its own method)
-        if draft_meta(config.draft).get("kind") != EAGLE3:
-            raise ConfigError(f"proposer 'eagle3' on the torch runner needs an EAGLE-3 draft directory with a "
-                              f"tandem_draft.json of kind {EAGLE3!r} (python -m tools.eagle3_export_checkpoint "
-                              f"writes one); {config.draft!r} is not one")
+    if config.proposer == EAGLE3:  # the torch runner's EAGLE-3 (vLLM's backend runs its own method)
+        check_eagle3_draft(config.draft)
         return FeatureProposer(load_fed_draft(target_model, config.draft), tree_width=config.tree_width,
                                tree_tokens=config.tree_tokens)
     if is_feature_draft(config.draft):  # EAGLE-style: reads the target's features, sent by the verifier
@@ -130,7 +136,7 @@ def build_proposer(config: EngineConfig, max_support: int | None = None) -> Prop
     path = models.resolve_model_path(config.target, config.cache_dir)
     tokenizer = models.load_tokenizer(path)
     target = None
-    model_draft = config.proposer in ("draft", "hybrid", EAGLE3_PROPOSER)
+    model_draft = config.proposer in ("draft", "hybrid", EAGLE3)
     if model_draft and config.draft == INT8_DRAFT:
         target = models.load_causal_lm(path, "float32", "cpu")  # only to copy and quantise
     elif model_draft and (is_tandem_draft(config.draft) or is_feature_draft(config.draft)):

@@ -26,19 +26,20 @@ from pathlib import Path
 
 import torch
 
+from cluster.core.config import EAGLE3_DRAFT
 from cluster.core.processors import process_sequence
 from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
 from cluster.core.tree import additive_mask, first_chain
 from drafts.dynamic_tree import ROOT, Candidate, frontier, path_tokens, select_tree
+from drafts.eagle3_model import KIND as EAGLE3_KIND
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 
 FEATURE_DRAFT = "feature"  # engine.draft shorthand: the feature-fed draft shipped in drafts/trained
 SHIPPED = Path(__file__).parent / "trained" / "feature-smollm2-135m"
-EAGLE3_DRAFT = "eagle3"  # engine.draft shorthand: the EAGLE-3 draft shipped in drafts/trained
 SHIPPED_EAGLE3 = Path(__file__).parent / "trained" / "eagle3-smollm2-135m"
 
 
-FEATURE_KINDS = ("feature", "eagle3")  # tandem_draft.json kinds of drafts fed the target's features
+FEATURE_KINDS = ("feature", EAGLE3_KIND)  # tandem_draft.json kinds of drafts fed the target's features
 
 
 def draft_meta(path: str | Path) -> dict:
@@ -56,11 +57,15 @@ def is_feature_draft(path: str | Path) -> bool:
     return str(path) == FEATURE_DRAFT or draft_meta(path).get("kind") in FEATURE_KINDS
 
 
+def is_eagle3_draft(path: str | Path) -> bool:
+    """Whether `path` (or the shorthand `eagle3`) holds tandem's files of an EAGLE-3 draft."""
+    return draft_meta(path).get("kind") == EAGLE3_KIND
+
+
 def feature_layers(path: str | Path) -> tuple[int, ...] | None:
     """The target layers whose input states the draft at `path` reads (an EAGLE-3 draft's fused layers), or
     None for the target's last hidden state: what the torch runner captures for it (`feature_layers`)."""
-    meta = draft_meta(path)
-    return tuple(meta["fusion_layers"]) if meta.get("kind") == "eagle3" else None
+    return tuple(draft_meta(path)["fusion_layers"]) if is_eagle3_draft(path) else None
 
 
 def feature_draft_dir(path: str | Path) -> Path:

@@ -42,7 +42,7 @@ from transformers import DynamicCache
 
 from cluster.core.tree import additive_mask
 from cluster.model import models
-from drafts.eagle3_model import META, WEIGHTS, Eagle3Draft, save_tandem
+from drafts.eagle3_model import WEIGHTS, Eagle3Draft, save_tandem
 from drafts.training import restores_torch_threads
 from drafts.training.distill import frequent_vocab
 from drafts.training.feature_draft import _eval_sets
@@ -310,8 +310,7 @@ def export(target, draft: Eagle3Draft, out: Path, config: Eagle3Config, manifest
                      "answer_tokens": sum(s.answer_tokens for s in manifest.shards if s.file in names)},
             "final_eval": {k: v for k, v in last.items() if k not in ("step", "epoch", "minutes", "loss")},
             "minutes": last["minutes"], "torch": torch.__version__}
-    save_tandem(draft, out, meta)
-    return json.loads((out / META).read_text())
+    return save_tandem(draft, out, meta)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,10 +58,9 @@ from cluster.session.speculate import GenerationResult, SpeculationStats, valida
 from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
 from cluster.vllm.protocol import INLINE_ONLY, DrafterSpec, RayDrafter, engine_draft_tokens, inline_matches  # noqa: E402
 from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
-from drafts.eagle3_model import KIND as EAGLE3_KIND  # noqa: E402
 from drafts.eagle3_model import WEIGHTS as EAGLE3_WEIGHTS  # noqa: E402
 from drafts.eagle3_model import export_vllm, load_eagle3  # noqa: E402
-from drafts.feature_proposer import draft_meta, feature_draft_dir  # noqa: E402
+from drafts.feature_proposer import feature_draft_dir, is_eagle3_draft  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +280,7 @@ def checked_eagle3_dir(draft: str | os.PathLike | None, field: str = "engine.dra
     path = feature_draft_dir(draft) if draft else Path("")
     if draft and _vllm_eagle3_layout(path):
         return path.resolve()
-    if draft and draft_meta(draft).get("kind") == EAGLE3_KIND:
+    if draft and is_eagle3_draft(draft):
         weights = path / EAGLE3_WEIGHTS
         digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
         out = models.cache_dir(cache) / "eagle3-vllm" / f"{path.resolve().name}-{digest}"

@@ -24,7 +24,8 @@ from cluster.core.sampling import SamplingParams
 from cluster.model.runner import TorchModelRunner
 from drafts.cost_model import speedup_from_tokens
 from drafts.feature_proposer import target_features
-from drafts.training.validate_engines import CURVE_SIZES, engine_report, tree_report, verify_curve
+from drafts.training.validate_engines import (CURVE_SIZES, accepted_path, engine_report, tree_budgets, tree_proposal,
+                                              tree_report, verify_curve)
 from drafts.hybrid import MODEL, NGRAM, HybridProposer
 from drafts.proposer import DraftProposal, SequenceProposer
 from drafts.suffix import suffix_match
@@ -37,6 +38,9 @@ class Agreement:
     # a draft whose later drafts differ from its first ones (a feature-fed draft reads its own predicted
     # features): per position, how many of a round's drafts starting there are right (up to max γ)
     runs: list[int] | None = None
+    # a feature-fed draft's dynamic trees: {node budget: (per position, the continuation's tokens the tree holds
+    # along one path from its root; its size)}
+    trees: dict[int, tuple[list[int], list[int]]] | None = None
 
     def run(self, pos: int, k: int) -> int:
         """Drafts accepted of a round of k starting at continuation position `pos`."""
@@ -193,11 +197,13 @@ def source_report(prompts: list[list[int]], records: list[Agreement], cost_ratio
 
 
 @torch.inference_mode()
-def feature_agreement(target, proposer, prompt_ids: list[int], max_tokens: int, max_gamma: int) -> Agreement:
+def feature_agreement(target, proposer, prompt_ids: list[int], max_tokens: int, max_gamma: int,
+                      tree_budgets: tuple[int, ...] = (), tree_depth: int = 0) -> Agreement:
     """A feature-fed draft (`FeatureProposer`) along the target's greedy continuation, as the loop runs it:
     at each position, given the committed tokens and the target's features of all but the last, it
     drafts `max_gamma` tokens (the later ones from its own predicted features); `runs` counts the right
-    ones from the start."""
+    ones from the start. With `tree_budgets`, at the same positions its dynamic tree `tree_depth` deep at each
+    node budget (`Agreement.trees`)."""
     out = target.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                           do_sample=False, max_new_tokens=max_tokens)
     sequence = out[0].tolist()
@@ -205,7 +211,7 @@ def feature_agreement(target, proposer, prompt_ids: list[int], max_tokens: int, 
     feats = target_features(target, out, proposer.feature_layers)  # [L, W]: what the verifier sends
     proposer.start("v", prompt_ids, SamplingParams(max_tokens=max_tokens))
     proposer.add_features("v", 0, feats[: len(prompt_ids) - 1])
-    runs = []
+    runs, trees = [], {b: ([], []) for b in tree_budgets}
     for i in range(len(tokens)):
         n = len(prompt_ids) + i  # committed: sequence[:n]; features of positions < n - 1
         proposer.rollback("v", n - 1 if i else n, sequence[n - 1:n] if i else [])
@@ -216,8 +222,13 @@ def feature_agreement(target, proposer, prompt_ids: list[int], max_tokens: int, 
         while run < len(drafts) and n + run < len(sequence) and drafts[run] == sequence[n + run]:
             run += 1
         runs.append(run)
+        for budget, (held, sizes) in trees.items():
+            proposer.rollback("v", n)  # the last proposal's drafts joined the sequence
+            tree = tree_proposal(proposer, "v", tree_depth, budget)
+            held.append(accepted_path(tree.token_ids, tree.parents or [], sequence[n:]))
+            sizes.append(len(tree.token_ids))
     proposer.release("v")
-    return Agreement(tokens, [r > 0 for r in runs], runs)
+    return Agreement(tokens, [r > 0 for r in runs], runs, trees or None)
 
 
 def time_feature_step(target, proposer, prompt_ids: list[int], steps: int = 24) -> float:
@@ -241,8 +252,9 @@ def validate(target, draft, prompts: list[list[int]], max_tokens: int = 64, max_
     """`draft`: a draft model, or a feature-fed draft's proposer (`FeatureProposer`; with `tree_width` > 1 its
     dynamic tree is replayed too). `vllm_step_s`: vLLM's step on this machine, for its engine's prediction."""
     feature = getattr(draft, "needs_features", False)
+    budgets, depth = tree_budgets(draft) if feature else (), min(max_gamma, 6)
     if feature:
-        records = [feature_agreement(target, draft, ids, max_tokens, max_gamma) for ids in prompts]
+        records = [feature_agreement(target, draft, ids, max_tokens, max_gamma, budgets, depth) for ids in prompts]
     else:
         records = [agreement(target, draft, ids, max_tokens) for ids in prompts]
     agree_all = [a for r in records for a in r.agree]
@@ -269,9 +281,7 @@ def validate(target, draft, prompts: list[list[int]], max_tokens: int = 64, max_
                           "predicted_pipelined_speedup": speedup_from_tokens(e, gamma, c, pipelined=True)})
     best_seq = max(per_gamma, key=lambda g: g["predicted_sequential_speedup"])
     best_pipe = max(per_gamma, key=lambda g: g["predicted_pipelined_speedup"])
-    tree = None
-    if feature and getattr(draft, "tree_width", 1) > 1:
-        tree = tree_report(target, draft, prompts, max_tokens, min(max_gamma, 6))
+    tree = tree_report(records, draft.tree_width, depth) if budgets else None
     widest = max([t["mean_nodes"] for t in tree["budgets"]] if tree else [0])
     curve = verify_curve(target, timing_prompt, sizes=CURVE_SIZES + ((64,) if widest > 31 else ()))
     partial = {"target_step_s": t_target, "draft_step_s": t_draft, "by_gamma": per_gamma}

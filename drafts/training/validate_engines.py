@@ -3,9 +3,10 @@ the predicted speedup on each target engine.
 
 - `verify_curve`: what verifying n tokens costs on the torch runner, in target steps (one forward over n new
   tokens after the prompt, with the KV cache, against a one-token step), n = 1, 2, 4, ... .
-- `tree_runs`: a feature-fed draft's EAGLE-2 dynamic tree (`FeatureProposer._propose_tree`) at each position of
-  the target's greedy continuation, as the loop runs it: how many of the continuation's tokens the tree holds
-  along one path from its root (what verification accepts from it), and how many nodes it had.
+- `tree_report`: a feature-fed draft's EAGLE-2 dynamic tree (`FeatureProposer._propose_tree`, drafted at each
+  position of the target's greedy continuation in `validate.feature_agreement`'s walk, at several node budgets)
+  replayed as sequential rounds: how many of the continuation's tokens a round's tree holds along one path from
+  its root (what verification accepts from it), and how many nodes it had.
 - `engine_report`: per engine (torch: its step timed here; vLLM: a step time given with `--vllm-step-ms`, from
   `python -m tools bench --peer` or the peer table in BENCHMARKS.md), the draft's c against that step and the
   predicted sequential speedup of the best chain and, on torch, of the tree. A round costs its drafting (one draft
@@ -21,9 +22,7 @@ import time
 
 import torch
 
-from cluster.core.sampling import SamplingParams
 from cluster.model.runner import TorchModelRunner
-from drafts.feature_proposer import target_features
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -60,36 +59,19 @@ def verify_cost(curve: dict[int, float], n: int) -> float:
     return (curve[hi] + (curve[hi] - curve[lo]) * (n - hi) / (hi - lo)) / step
 
 
-@torch.inference_mode()
-def tree_runs(target, proposer, prompt_ids: list[int], max_tokens: int, depth: int,
-              budgets: tuple[int, ...]) -> dict[int, tuple[list[int], list[int]]]:
-    """{budget: (per position of the target's greedy continuation, the tokens of the continuation the proposer's
-    dynamic tree of at most `budget` nodes holds along one path from its root; the tree's size)}, `depth` deep,
-    with the target's features fed as the verifier sends them."""
-    out = target.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                          do_sample=False, max_new_tokens=max_tokens)
-    sequence = out[0].tolist()
-    feats = target_features(target, out, proposer.feature_layers)
-    proposer.start("tree", prompt_ids, SamplingParams(max_tokens=max_tokens))
-    proposer.add_features("tree", 0, feats[: len(prompt_ids) - 1])
-    result = {b: ([], []) for b in budgets}
-    kept = proposer.tree_tokens
+def tree_budgets(proposer) -> tuple[int, ...]:
+    """The node budgets a feature-fed proposer's dynamic tree is replayed at: 4, 8 and its own `tree_tokens`; none
+    without a tree (`tree_width` 1)."""
+    return tuple(sorted({4, 8, proposer.tree_tokens})) if getattr(proposer, "tree_width", 1) > 1 else ()
+
+
+def tree_proposal(proposer, session, depth: int, budget: int):
+    """The proposer's dynamic tree `depth` deep of at most `budget` nodes (its own `tree_tokens` kept)."""
+    kept, proposer.tree_tokens = proposer.tree_tokens, budget
     try:
-        for i in range(len(sequence) - len(prompt_ids)):
-            n = len(prompt_ids) + i
-            proposer.rollback("tree", n - 1 if i else n, sequence[n - 1:n] if i else [])
-            if i:
-                proposer.add_features("tree", n - 2, feats[n - 2:n - 1])
-            for b in budgets:
-                proposer.tree_tokens = b
-                tree = proposer._propose_tree("tree", depth)  # its first chain joins the sequence: rolled back
-                proposer.rollback("tree", n)
-                result[b][0].append(accepted_path(tree.token_ids, tree.parents or [], sequence[n:]))
-                result[b][1].append(len(tree.token_ids))
+        return proposer._propose_tree(session, depth)
     finally:
         proposer.tree_tokens = kept
-        proposer.release("tree")
-    return result
 
 
 def accepted_path(token_ids: list[int], parents: list[int], truth: list[int]) -> int:
@@ -129,18 +111,15 @@ def engine_report(report: dict, curve: dict[int, float], tree: dict | None, vllm
     return engines
 
 
-def tree_report(target, proposer, prompts: list[list[int]], max_tokens: int, depth: int,
-                budgets: tuple[int, ...] | None = None) -> dict:
-    """The feature-fed proposer's dynamic tree (its `tree_width`; node budgets `budgets`, default 4, 8 and its
-    `tree_tokens`) over `prompts`: per budget, tokens per round, acceptance by depth and mean nodes a round."""
-    budgets = tuple(sorted(set(budgets or (4, 8, proposer.tree_tokens))))
-    runs = [tree_runs(target, proposer, ids, max_tokens, depth, budgets) for ids in prompts]
+def tree_report(records, width: int, depth: int) -> dict:
+    """Sequential tree rounds replayed over `records` (`validate.Agreement`s with `trees`): per node budget, tokens
+    per round, acceptance by depth and mean nodes a round."""
     rows = []
-    for b in budgets:
+    for b in sorted(records[0].trees):
         tokens = rounds = 0
         node_counts, depth_hits = [], [0] * depth
-        for per_prompt in runs:
-            accepted, sizes = per_prompt[b]
+        for record in records:
+            accepted, sizes = record.trees[b]
             pos, n = 0, len(accepted)
             while pos < n:
                 k = min(depth, n - pos - 1)
@@ -153,4 +132,4 @@ def tree_report(target, proposer, prompts: list[list[int]], max_tokens: int, dep
         rows.append({"budget": b, "tokens_per_round": tokens / max(rounds, 1), "rounds": rounds,
                      "mean_nodes": sum(node_counts) / max(len(node_counts), 1),
                      "accepted_at_depth": [h / max(rounds, 1) for h in depth_hits]})
-    return {"width": proposer.tree_width, "depth": depth, "budgets": rows}
+    return {"width": width, "depth": depth, "budgets": rows}

@@ -135,6 +135,14 @@ def test_training_lowers_the_loss_resumes_and_exports(tmp_path):
     assert step == 30 and json.loads((exported / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     torch.testing.assert_close(load_file(exported / "model.safetensors")["fc.weight"].float(), trained.fc.weight,
                                atol=0.02, rtol=0.02)
+    # a warm start (--init): a fresh run from the export keeps its vocabulary and starts where it ended
+    warm = train(target, _Tok(), tmp_path / "warm", Eagle3Config(**{**config.__dict__, "steps": 2, "eval_every": 2,
+                                                                   "init": str(out)}), eval_sets=sets)
+    start = json.loads((tmp_path / "warm" / CURVE).read_text().splitlines()[0])
+    assert warm["config"]["init"] == str(out) and warm["steps"] == 2
+    assert torch.equal(load_eagle3(target, tmp_path / "warm", torch.float32).d2t, loaded.d2t)
+    assert start["held_out"]["soft_ce_step0"] < first["soft_ce_step0"]  # not the random start
+    assert abs(start["held_out"]["soft_ce_step0"] - last["soft_ce_step0"]) < 0.05, (start, last)
 
 
 def test_a_run_without_data_is_refused(tmp_path):

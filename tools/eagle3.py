@@ -19,7 +19,8 @@ Every `eval_every` steps (and at the end) the held-out sets (HumanEval and chat 
 target's greedy continuation) are scored by the same forward: per-step agreement and the mean accepted
 length of a greedy γ = ttt_steps round; appended to `learning_curve.jsonl`; a checkpoint is written and
 a rerun resumes from it, on its shards plus those finished since (the data grows between sessions; the
-draft vocabulary stays the checkpoint's; `--freeze-data` keeps the shards it had). The export is bf16 safetensors with
+draft vocabulary stays the checkpoint's; `--freeze-data` keeps the shards it had). `--init DIR` starts a fresh
+run (no checkpoint in `--out`) from an exported draft's weights and vocabulary, with a new schedule. The export is bf16 safetensors with
 provenance in `tandem_draft.json`.
 """
 
@@ -42,7 +43,7 @@ from transformers import DynamicCache
 
 from cluster.core.tree import additive_mask
 from cluster.model import models
-from drafts.eagle3_model import WEIGHTS, Eagle3Draft, save_tandem
+from drafts.eagle3_model import WEIGHTS, Eagle3Draft, load_eagle3, save_tandem
 from drafts.training import restores_torch_threads
 from drafts.training.distill import frequent_vocab
 from drafts.training.feature_draft import _eval_sets
@@ -73,6 +74,7 @@ class Eagle3Config:
     seed: int = 0
     threads: int = 1
     precision: str = "bf16"  # "bf16": the target's features in a bf16 copy, the draft's products in bf16 (autocast)
+    init: str = ""  # a fresh run starts from this tandem EAGLE-3 directory's weights and vocabulary (a warm start)
 
 
 def ttt_mask(n: int, step: int) -> torch.Tensor:
@@ -237,11 +239,17 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
         raise ValueError(f"{data} has no finished shard yet")
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     ids, answer = load_windows(data, names, config.seq_len, config.context, pad)  # [N, W]
+    warm = load_eagle3(target, Path(config.init).expanduser(), torch.float32) if config.init and state is None else None
     if state is not None:  # the head's rows are the checkpoint's, whatever data came since
         vocab = state["draft"]["d2t"]
+    elif warm is not None:  # a warm start keeps the earlier draft's vocabulary and weights
+        vocab = warm.d2t
     else:
         vocab = torch.tensor(frequent_vocab(ids[answer].tolist(), config.vocab_size, [pad]))
     draft = Eagle3Draft(target, vocab).float().train()
+    if warm is not None:
+        draft.load_state_dict(warm.state_dict())
+        log.info("warm start from %s (%d-token vocabulary)", config.init, len(vocab))
     # bf16 (the default): the features and the target's distribution come from a bf16 copy of the target (what a
     # bf16 verifier serves them from) and the draft's products run in bf16; measured 2026-12-04 (BENCHMARKS.md)
     bf16 = config.precision == "bf16"

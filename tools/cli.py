@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                             "--engine E --proposer P`), then engine fields as +FIELD=VALUE (`tandem serve --set`, e.g. "
                             "tandem_torch_hybrid+draft=eagle3); a side may end in @BIND, its own "
                             "VLLM_CPU_OMP_THREADS_BIND (vllm@0-1,tandem_vllm_none@0)")
+    bench.add_argument("--peer-vllm-openmp", choices=["intel", "gnu"], default="intel",
+                       help="with --peer: the OpenMP runtime of vLLM alone: intel (libiomp5 in LD_PRELOAD, as vLLM's CPU "
+                            "guide sets it up and tandem gives its own engine) or gnu (vLLM's fallback, libgomp)")
     bench.add_argument("--peer-config", default="ray_config.yaml", help="with --peer: tandem's Serve config")
     bench.add_argument("--peer-repeats", type=int, default=2, help="with --peer: batches per server at N streams")
     bench.add_argument("--peer-port", type=int, default=8100, help="with --peer: first port (each server +10)")
@@ -93,7 +96,7 @@ def _peer(args) -> int:
     reports = []
     for group in [(name,) for name in which] if args.peer_alone else [which]:  # alone: idle sides cost nothing
         procs, servers = start_servers(model_dir, args.peer_config, dtype, 2048, args.peer_port, args.peer_logs,
-                                       group, vllm_bind=args.peer_vllm_bind)
+                                       group, vllm_bind=args.peer_vllm_bind, openmp=args.peer_vllm_openmp)
         try:
             reports.append(compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
                                    reference=servers[0].name))
@@ -103,7 +106,8 @@ def _peer(args) -> int:
     report = merge_alone(reports, reference=which[0]) if args.peer_alone else reports[0]
     report.update(dtype=dtype, prompts=args.prompts, cpus=os.cpu_count(),
                   given={"vllm": f"VLLM_CPU_OMP_THREADS_BIND={args.peer_vllm_bind} (also on tandem's vLLM "
-                                 f"replicas), VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')} GiB",
+                                 f"replicas), VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')} GiB, "
+                                 f"OpenMP {args.peer_vllm_openmp}",
                          "tandem": f"{args.peer_config} as it is (its `threads` for the torch engine)",
                          "binds": {side: split_bind(side, args.peer_vllm_bind)[1] for side in which}})
     print(format_peer_report(report))

@@ -38,6 +38,24 @@ from cluster.core.config import PROPOSERS
 
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}  # vLLM's docs' setting
 PLAIN = {"num_speculative_tokens": 0}  # tandem's plain decoding, on the same server
+# vLLM's own eagle3 method on tandem's shipped EAGLE-3 draft (its vLLM layout written once under the cache), γ 3;
+# "_sched": with vLLM's γ by batch size (`num_speculative_tokens_per_batch_size`), the schedule measured for it
+EAGLE3_SCHEDULE = [[1, 2, 3], [3, 4, 2], [5, 8, 1], [9, 9, 0]]
+VLLM_SIDES = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_eagle3_sched")
+
+
+def vllm_spec(name: str) -> dict | None:
+    """The speculative config of a vLLM-alone side (None: plain)."""
+    if name == "vllm_ngram":
+        return NGRAM_SPEC
+    if name.startswith("vllm_eagle3"):
+        from cluster.core.config import EAGLE3_DRAFT
+        from cluster.vllm.engine import checked_eagle3_dir
+
+        spec = {"method": "eagle3", "model": str(checked_eagle3_dir(EAGLE3_DRAFT, "--peer-servers")),
+                "num_speculative_tokens": 3}
+        return {**spec, "num_speculative_tokens_per_batch_size": EAGLE3_SCHEDULE} if name.endswith("_sched") else spec
+    return None
 
 
 @dataclass(frozen=True)
@@ -280,18 +298,36 @@ def server_env(vllm_bind: str = "auto") -> dict[str, str]:
             "VLLM_CPU_OMP_THREADS_BIND": vllm_bind, **TELEMETRY_OFF}
 
 
+def openmp_env(name: str, openmp: str = "intel") -> dict[str, str]:
+    """What a vLLM-alone side adds for its OpenMP runtime: "intel" (the default) preloads libiomp5 into the whole
+    server, as vLLM's CPU guide sets it up (the same runtime tandem gives its own engine's processes,
+    `cluster.vllm.openmp`); "gnu" adds nothing (vLLM then preloads PyTorch's libgomp itself). Tandem sides: nothing
+    (`vllm.intel_openmp` in their config decides)."""
+    if openmp not in ("intel", "gnu"):
+        raise ValueError(f"OpenMP runtime {openmp!r}: intel or gnu")
+    if name not in VLLM_SIDES or openmp == "gnu":
+        return {}
+    from cluster.vllm.openmp import intel_openmp_library
+
+    library = intel_openmp_library()
+    if library is None:
+        raise RuntimeError("intel-openmp (libiomp5.so) is not installed; --peer-vllm-openmp gnu runs vLLM without it")
+    return {"LD_PRELOAD": str(library)}
+
+
 def server_argv(name: str, model_dir: str, config: str, dtype: str, max_model_len: int, port: int) -> list[str]:
-    """The command line of the server `name` (vllm, vllm_ngram, tandem[_ENGINE][_PROPOSER]) on `port` (tandem's
+    """The command line of the server `name` (`VLLM_SIDES`, tandem[_ENGINE][_PROPOSER]) on `port` (tandem's
     gRPC on port + 1)."""
-    if name in ("vllm", "vllm_ngram"):
-        return vllm_argv(model_dir, port, dtype, max_model_len, NGRAM_SPEC if name == "vllm_ngram" else None)
+    if name in VLLM_SIDES:
+        return vllm_argv(model_dir, port, dtype, max_model_len, vllm_spec(name))
     return tandem_argv(config, port, port + 1, tandem_flags(name))  # the config, engine / proposer maybe replaced
 
 
 def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, base_port: int, log_dir: str,
-                  which: tuple[str, ...], vllm_bind: str = "auto") -> tuple[list[Process], list[Server]]:
+                  which: tuple[str, ...], vllm_bind: str = "auto",
+                  openmp: str = "intel") -> tuple[list[Process], list[Server]]:
     """Start the servers `which` names (vllm, vllm_ngram, tandem, tandem_vllm; each optionally @BIND, its
-    own VLLM_CPU_OMP_THREADS_BIND instead of `vllm_bind`): their processes, and the sides of the comparison
+    own VLLM_CPU_OMP_THREADS_BIND instead of `vllm_bind`; vLLM-alone sides on `openmp`): their processes, and the sides of the comparison
     (each speculative tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
     procs, servers = [], []
     try:
@@ -300,7 +336,7 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
             port = base_port + 10 * i
             url = f"http://127.0.0.1:{port}"
             argv = server_argv(name, model_dir, config, dtype, max_model_len, port)
-            proc = Process(side, argv, url, server_env(bind), os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
+            proc = Process(side, argv, url, {**server_env(bind), **openmp_env(name, openmp)}, os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
             procs.append(proc)
             servers.append(Server(side, url, proc.model))
             if has_plain_side(name):

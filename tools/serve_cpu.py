@@ -34,7 +34,7 @@ import httpx
 
 from cluster.core.workloads import PEER_CHAT_PROMPTS
 from cluster.model import models
-from tools.peer_bench import Process, server_argv, server_env
+from tools.peer_bench import Process, openmp_env, server_argv, server_env
 
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -125,7 +125,7 @@ def ab(out_dir: str, runs: list[str], config: str, bind: str, port: int = 8300, 
         name, _, extra = run.partition(":")
         settings = dict(kv.split("=", 1) for kv in extra.split(",") if kv)
         run_config = settings.pop("config", config)  # a tandem side's own Serve config
-        env = {**server_env(bind), **settings}
+        env = {**server_env(bind), **openmp_env(name), **settings}  # vLLM alone on Intel's OpenMP, as tandem's engine
         tag = f"{n}-{run}".replace(":", "-").replace(",", "-").replace("/", "_")
         server = Process(run, server_argv(name, model_dir, run_config, "bfloat16", 2048, port), f"http://127.0.0.1:{port}",
                          env, os.path.join(out_dir, f"{tag}.log"))

@@ -48,6 +48,7 @@ _env_defaults()  # before anything imports vllm
 
 from cluster.core.config import EAGLE3, EngineConfig  # noqa: E402
 from cluster.core.errors import ConfigError, InvalidRequestError  # noqa: E402
+from cluster.vllm.openmp import engine_processes_on_intel_openmp  # noqa: E402
 from cluster.core.grammar import StructuredOutputs  # noqa: E402
 from cluster.core.logprobs import TokenLogprob  # noqa: E402
 from cluster.core.sampling import SamplingParams  # noqa: E402
@@ -175,7 +176,8 @@ class VLLMEngine:
                                             "num_speculative_tokens": num_speculative_tokens}
         kwargs.update(llm_kwargs or {})
         t0 = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        with engine_processes_on_intel_openmp(not torch.cuda.is_available()):  # cluster.vllm.openmp
+            self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.fix = self.llm.collective_rpc("tandem_fix_rejection_sampler")[0]  # in every worker, before any request
         self.drafter_spec = None

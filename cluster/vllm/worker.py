@@ -45,5 +45,12 @@ class TandemWorkerExtension:
     def tandem_pid(self) -> int:
         return os.getpid()
 
+    def tandem_openmp(self) -> dict:
+        """The OpenMP runtimes mapped into this worker (`cluster.vllm.openmp`) and the LD_PRELOAD it started with."""
+        with open("/proc/self/maps") as maps:
+            mapped = {os.path.basename(line.split()[-1]) for line in maps if ".so" in line}
+        return {"ld_preload": os.environ.get("LD_PRELOAD", ""),
+                "runtimes": sorted(name for name in mapped if name.startswith(("libiomp", "libgomp", "libomp")))}
+
 
 WORKER_EXTENSION = f"{TandemWorkerExtension.__module__}.{TandemWorkerExtension.__qualname__}"

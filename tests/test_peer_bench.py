@@ -251,14 +251,16 @@ def test_vllm_alone_gets_intel_openmp_as_tandems_engine_does(tmp_path, monkeypat
 
 
 def test_vllm_alone_sides_and_their_speculative_configs():
-    from tools.peer_bench import EAGLE3_SCHEDULE, NGRAM_SPEC, server_argv, vllm_spec
+    from deployments.config import EAGLE3_SCHEDULE
+    from tools.peer_bench import NGRAM_SPEC, server_argv, vllm_spec
 
     assert vllm_spec("vllm") is None and vllm_spec("vllm_ngram") == NGRAM_SPEC
     eagle3 = vllm_spec("vllm_eagle3")  # the shipped draft, written in vLLM's layout once under the cache
     assert eagle3["method"] == "eagle3" and eagle3["num_speculative_tokens"] == 3
     assert json.loads((Path(eagle3["model"]) / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     assert "num_speculative_tokens_per_batch_size" not in eagle3
-    assert vllm_spec("vllm_eagle3_sched") == {**eagle3, "num_speculative_tokens_per_batch_size": EAGLE3_SCHEDULE}
+    assert vllm_spec("vllm_eagle3_sched") == {**eagle3, "num_speculative_tokens_per_batch_size": [
+        list(r) for r in EAGLE3_SCHEDULE]}  # the schedule tandem gives vLLM's eagle3 method
     argv = server_argv("vllm_eagle3", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == eagle3
     assert "--speculative-config" not in server_argv("vllm", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)

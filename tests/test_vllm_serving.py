@@ -160,7 +160,15 @@ def test_gamma_by_batch_size_reaches_vllm_and_a_bad_schedule_is_refused():
                                         "vllm": {"speculative_schedule": schedule}})
         spec = llm_config(config).engine_kwargs["speculative_config"]
         assert spec["num_speculative_tokens_per_batch_size"] == sorted(schedule), proposer
-    for bad in ([[2, 4, 1]], [[1, 2, 3], [4, 5, 1]], [[1, 2, -1]], [[1, 0, 2]]):
+    # 'auto' (the default): the measured schedule for vLLM's eagle3 method, none for tandem's proposer; null: none
+    from deployments.config import EAGLE3_SCHEDULE
+
+    for proposer, expected in (("eagle3", [list(r) for r in EAGLE3_SCHEDULE]), ("suffix", None)):
+        for vllm, want in (({}, expected), ({"speculative_schedule": None}, None)):
+            config = TandemAppConfig.build({"engine": {"backend": "vllm", "proposer": proposer}, "vllm": vllm})
+            spec = llm_config(config).engine_kwargs["speculative_config"]
+            assert spec.get("num_speculative_tokens_per_batch_size") == want, (proposer, vllm)
+    for bad in ([[2, 4, 1]], [[1, 2, 3], [4, 5, 1]], [[1, 2, -1]], [[1, 0, 2]], "sometimes"):
         with pytest.raises(ConfigError, match="speculative_schedule"):
             TandemAppConfig.build({"engine": {"backend": "vllm"}, "vllm": {"speculative_schedule": bad}})
 

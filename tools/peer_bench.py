@@ -39,8 +39,8 @@ from cluster.core.config import PROPOSERS
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}  # vLLM's docs' setting
 PLAIN = {"num_speculative_tokens": 0}  # tandem's plain decoding, on the same server
 # vLLM's own eagle3 method on tandem's shipped EAGLE-3 draft (its vLLM layout written once under the cache), γ 3;
-# "_sched": with vLLM's γ by batch size (`num_speculative_tokens_per_batch_size`), the schedule measured for it
-EAGLE3_SCHEDULE = [[1, 2, 3], [3, 4, 2], [5, 8, 1], [9, 9, 0]]
+# "_sched": with vLLM's γ by batch size (`num_speculative_tokens_per_batch_size`), the schedule tandem gives it
+# (`deployments.config.EAGLE3_SCHEDULE`)
 VLLM_SIDES = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_eagle3_sched")
 
 
@@ -54,7 +54,10 @@ def vllm_spec(name: str) -> dict | None:
 
         spec = {"method": "eagle3", "model": str(checked_eagle3_dir(EAGLE3_DRAFT, "--peer-servers")),
                 "num_speculative_tokens": 3}
-        return {**spec, "num_speculative_tokens_per_batch_size": EAGLE3_SCHEDULE} if name.endswith("_sched") else spec
+        from deployments.config import EAGLE3_SCHEDULE
+
+        schedule = [list(r) for r in EAGLE3_SCHEDULE]
+        return {**spec, "num_speculative_tokens_per_batch_size": schedule} if name.endswith("_sched") else spec
     return None
 
 

@@ -105,3 +105,23 @@ def orphaned_sessions_counter(model_id: str, pool: str) -> metrics.Counter:
                               ("model", "pool"))
     counter.set_default_tags({"model": model_id, "pool": pool})
     return counter
+
+
+class StatsGate:
+    """Whether the proposer's counters can have moved since they were last read: a session is open, or one opened
+    since. The read is a message to vLLM's worker, which then busy-loops for a second (vLLM's shared-memory queue),
+    about 10% of a core at one read per 10 s health check on an idle replica (BENCHMARKS.md); an idle replica
+    whose counters were read after its last session skips it."""
+
+    def __init__(self):
+        self.opened = 0  # sessions opened so far
+        self.read_at = 0  # `opened` when the counters were last read
+
+    def open(self) -> None:
+        self.opened += 1
+
+    def due(self, open_sessions: int) -> bool:
+        return open_sessions > 0 or self.opened != self.read_at
+
+    def mark_read(self, opened_before: int) -> None:
+        self.read_at = opened_before

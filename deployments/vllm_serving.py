@@ -48,7 +48,7 @@ from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, Reques
 from cluster.vllm.worker import WORKER_EXTENSION
 from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
 from deployments.config import TandemAppConfig
-from deployments.metrics import TandemMetrics
+from deployments.metrics import StatsGate, TandemMetrics
 from deployments.pacing import StreamPacing, paced
 from deployments.router import IncrementalText
 
@@ -211,6 +211,7 @@ class TandemLLMServer(_server_base()):
             await self.collective_rpc("tandem_configure", args=(spec.wire(),))
         self.fix = (await self.collective_rpc("tandem_fix_rejection_sampler"))[0]  # every worker, before requests
         self.open_sessions = 0
+        self.stats_gate = StatsGate()  # the proposer counters are read only when they can have moved
         self.proposer_rows = metrics.Counter(
             "tandem_vllm_proposer_rows", "vLLM proposer rows by outcome: hits (a draft continued the committed "
             "tokens), misses, drafted_rows, empty_rows (plain steps) and why (late, failed), drafter failures.",
@@ -241,6 +242,7 @@ class TandemLLMServer(_server_base()):
                                                       "method, whose draft length is fixed for every request; leave it out")
             return
         self.open_sessions += 1
+        self.stats_gate.open()
         started = None
         scoring = sampling.max_tokens == 0  # the prompt scored only: vLLM's one token is dropped, no drafts
         # vLLM's request id and the drafter's session
@@ -348,13 +350,15 @@ class TandemLLMServer(_server_base()):
                 await stream.aclose()
 
     async def _record_proposer(self) -> None:
-        if not self.tandem_proposer:
+        if not self.tandem_proposer or not self.stats_gate.due(self.open_sessions):
             return
+        opened = self.stats_gate.opened
         try:  # bounded: the engine answers between steps, and a health check must not wait on metrics
             stats = (await asyncio.wait_for(self.collective_rpc("tandem_stats"), PROPOSER_STATS_TIMEOUT_S))[0]
         except Exception:  # noqa: BLE001 - metrics must not fail a request or a health check
             log.debug("tandem_stats", exc_info=True)
             return
+        self.stats_gate.mark_read(opened)
         for kind in PROPOSER_KINDS:
             delta = int(stats.get(kind, 0)) - self._last_stats.get(kind, 0)
             if delta > 0:

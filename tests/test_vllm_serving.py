@@ -571,3 +571,20 @@ def test_eagle3_route_serves_the_targets_tokens(server, target_fp32, prompt_ids,
         assert not any(n.startswith("tandem-vllm-drafter-e3-") for n in names), names
     finally:
         serve.delete("e3")
+
+
+def test_an_idle_replica_reads_the_proposer_counters_once_after_its_last_session():
+    """`StatsGate`: the counters' read (a message that sets vLLM's worker busy-looping for a second) happens while
+    sessions are open and once after they end, then not again until another session opens."""
+    from deployments.metrics import StatsGate
+
+    gate = StatsGate()
+    assert not gate.due(0)  # nothing served yet
+    gate.open()
+    assert gate.due(1) and gate.due(0)
+    opened = gate.opened
+    gate.open()  # a session opens while the read is in flight: the next check reads again
+    gate.mark_read(opened)
+    assert gate.due(0)
+    gate.mark_read(gate.opened)
+    assert not gate.due(0) and gate.due(1)  # idle: skipped; a session still open: read

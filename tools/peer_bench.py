@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from cluster import TELEMETRY_OFF
-from cluster.core.config import PROPOSERS
+from cluster.core.config import EAGLE3_DRAFT, PROPOSERS
+from deployments.config import EAGLE3_SCHEDULE
 
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}  # vLLM's docs' setting
 PLAIN = {"num_speculative_tokens": 0}  # tandem's plain decoding, on the same server
@@ -49,13 +50,10 @@ def vllm_spec(name: str) -> dict | None:
     if name == "vllm_ngram":
         return NGRAM_SPEC
     if name.startswith("vllm_eagle3"):
-        from cluster.core.config import EAGLE3_DRAFT
         from cluster.vllm.engine import checked_eagle3_dir
 
         spec = {"method": "eagle3", "model": str(checked_eagle3_dir(EAGLE3_DRAFT, "--peer-servers")),
                 "num_speculative_tokens": 3}
-        from deployments.config import EAGLE3_SCHEDULE
-
         schedule = [list(r) for r in EAGLE3_SCHEDULE]
         return {**spec, "num_speculative_tokens_per_batch_size": schedule} if name.endswith("_sched") else spec
     return None

@@ -48,7 +48,6 @@ _env_defaults()  # before anything imports vllm
 
 from cluster.core.config import EAGLE3, EngineConfig  # noqa: E402
 from cluster.core.errors import ConfigError, InvalidRequestError  # noqa: E402
-from cluster.vllm.openmp import engine_processes_on_intel_openmp  # noqa: E402
 from cluster.core.grammar import StructuredOutputs  # noqa: E402
 from cluster.core.logprobs import TokenLogprob  # noqa: E402
 from cluster.core.sampling import SamplingParams  # noqa: E402
@@ -57,6 +56,7 @@ from cluster.ray.drafter import launch_drafter  # noqa: E402
 from cluster.ray.runtime import init_local_ray  # noqa: E402
 from cluster.session.speculate import GenerationResult, SpeculationStats, validate_request  # noqa: E402
 from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
+from cluster.vllm.openmp import engine_processes_on_intel_openmp  # noqa: E402
 from cluster.vllm.protocol import INLINE_ONLY, DrafterSpec, RayDrafter, engine_draft_tokens, inline_matches  # noqa: E402
 from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
 from drafts.eagle3_model import WEIGHTS as EAGLE3_WEIGHTS  # noqa: E402

@@ -35,7 +35,7 @@ import httpx
 
 from cluster import TELEMETRY_OFF
 from cluster.core.config import EAGLE3_DRAFT, PROPOSERS
-from deployments.config import EAGLE3_SCHEDULE
+from deployments.config import VLLMServingConfig
 
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}  # vLLM's docs' setting
 PLAIN = {"num_speculative_tokens": 0}  # tandem's plain decoding, on the same server
@@ -54,7 +54,7 @@ def vllm_spec(name: str) -> dict | None:
 
         spec = {"method": "eagle3", "model": str(checked_eagle3_dir(EAGLE3_DRAFT, "--peer-servers")),
                 "num_speculative_tokens": 3}
-        schedule = [list(r) for r in EAGLE3_SCHEDULE]
+        schedule = VLLMServingConfig().schedule_for("eagle3")  # what tandem's `speculative_schedule: auto` gives it
         return {**spec, "num_speculative_tokens_per_batch_size": schedule} if name.endswith("_sched") else spec
     return None
 
@@ -328,8 +328,8 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
                   which: tuple[str, ...], vllm_bind: str = "auto",
                   openmp: str = "intel") -> tuple[list[Process], list[Server]]:
     """Start the servers `which` names (vllm, vllm_ngram, tandem, tandem_vllm; each optionally @BIND, its
-    own VLLM_CPU_OMP_THREADS_BIND instead of `vllm_bind`; vLLM-alone sides on `openmp`): their processes, and the sides of the comparison
-    (each speculative tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
+    own VLLM_CPU_OMP_THREADS_BIND instead of `vllm_bind`; vLLM-alone sides on `openmp`): their processes, and
+    the sides of the comparison (each speculative tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
     procs, servers = [], []
     try:
         for i, side in enumerate(which):
@@ -337,7 +337,8 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
             port = base_port + 10 * i
             url = f"http://127.0.0.1:{port}"
             argv = server_argv(name, model_dir, config, dtype, max_model_len, port)
-            proc = Process(side, argv, url, {**server_env(bind), **openmp_env(name, openmp)}, os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
+            env = {**server_env(bind), **openmp_env(name, openmp)}
+            proc = Process(side, argv, url, env, os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
             procs.append(proc)
             servers.append(Server(side, url, proc.model))
             if has_plain_side(name):

@@ -55,8 +55,8 @@ from cluster.model import models  # noqa: E402
 from cluster.ray.drafter import launch_drafter  # noqa: E402
 from cluster.ray.runtime import init_local_ray  # noqa: E402
 from cluster.session.speculate import GenerationResult, SpeculationStats, validate_request  # noqa: E402
-from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
 from cluster.vllm.openmp import engine_processes_on_intel_openmp  # noqa: E402
+from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
 from cluster.vllm.protocol import INLINE_ONLY, DrafterSpec, RayDrafter, engine_draft_tokens, inline_matches  # noqa: E402
 from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
 from drafts.eagle3_model import WEIGHTS as EAGLE3_WEIGHTS  # noqa: E402

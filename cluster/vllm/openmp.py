@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import MutableMapping
+from importlib.metadata import PackageNotFoundError, files
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,8 @@ def intel_openmp_library() -> Path | None:
     """libiomp5.so as the `intel-openmp` wheel installs it (under the environment's lib/), or None."""
     candidates = [Path(sys.prefix) / "lib" / LIBRARY]
     try:
-        from importlib.metadata import PackageNotFoundError, files
-
-        try:
-            candidates += [Path(f.locate()) for f in files("intel-openmp") or () if f.name == LIBRARY]
-        except PackageNotFoundError:
-            pass
-    except ImportError:  # pragma: no cover - Python 3.10+ has importlib.metadata
+        candidates += [Path(f.locate()) for f in files("intel-openmp") or () if f.name == LIBRARY]
+    except PackageNotFoundError:
         pass
     return next((path.resolve() for path in candidates if path.is_file()), None)
 

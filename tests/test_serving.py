@@ -497,3 +497,22 @@ def test_logprobs_with_n_a_stop_string_and_grpc(server, client, tokenizer, promp
         assert [t.token_id for t in response.logprobs] == list(response.token_ids)
         assert all(len(t.top_ids) == 2 and t.top_ids[0] == t.token_id for t in response.logprobs)
     assert sum(len(r.token_ids) for r in responses) == 8
+
+
+def test_serve_processes_run_with_the_shipped_serve_settings(server):
+    """`SERVE_THROUGHPUT_ENV` (the throughput mode, the controller's 1 s loop) is in the environment of the
+    processes that read it: Serve's controller, its proxy and the replicas of this application."""
+    from ray._private.state import actors
+
+    from cluster.ray.runtime import SERVE_THROUGHPUT_ENV
+
+    serve_actors = [a for a in actors(actor_state_name="ALIVE").values()
+                    if a["ActorClassName"] in ("ServeController", "ProxyActor")
+                    or a["ActorClassName"].startswith("ServeReplica:tandem:")]
+    kinds = {a["ActorClassName"].split(":")[0] for a in serve_actors}
+    assert kinds == {"ServeController", "ProxyActor", "ServeReplica"}, kinds
+    for actor in serve_actors:
+        with open(f"/proc/{actor['Pid']}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        seen = {k: env.get(k.encode(), b"").decode() for k in SERVE_THROUGHPUT_ENV}
+        assert seen == SERVE_THROUGHPUT_ENV, (actor["ActorClassName"], seen)

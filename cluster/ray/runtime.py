@@ -99,7 +99,8 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
 # (the torch router's sessions lease from the pools in worker threads, outside any event loop, which a handle
 # routed on the replica's loop refuses). Serve's controller loop runs each 1 s, not 0.1 s
 # (`RAY_SERVE_CONTROL_LOOP_INTERVAL_S`): its idle CPU 3.1% -> 0.8% of a core, 3-5% faster through `tandem serve`
-# at 1 and 16 streams (BENCHMARKS.md, "Serve's controller loop"); it reacts to a dead replica up to 1 s later.
+# at 1 and 16 streams than the 0.1 s loop (with it, against vLLM alone: BENCHMARKS.md, "On an Intel Xeon with
+# AMX"); it reacts to a dead replica up to 1 s later.
 # A value already in the environment is kept
 # (`RAY_SERVE_THROUGHPUT_OPTIMIZED=0 tandem serve`: Serve as it was).
 SERVE_THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",

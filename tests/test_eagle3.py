@@ -13,7 +13,7 @@ import torch
 from drafts.eagle3_model import Eagle3Draft, fusion_layers, load_eagle3
 from tests.helpers import tiny_llama
 from tools.draftdata.shards import Manifest, ShardData, ShardRecord, write_shard
-from tools.eagle3 import CURVE, Eagle3Config, ttt_forward, ttt_mask, train
+from tools.eagle3 import CURVE, Eagle3Config, load_windows, ttt_forward, ttt_mask, train
 from tools.eagle3_export_checkpoint import export_checkpoint
 
 
@@ -72,6 +72,35 @@ def _dataset(folder, target, n: int = 24, length: int = 20, prompt: int = 4, sha
         records.append(ShardRecord(index, name, n, n * (length - prompt), n * prompt, sha, {}, {}, "test", 1.0,
                                    n * length))
     Manifest({"seed": 0}, records).save(folder)
+
+
+def test_windows_train_each_answer_token_once_with_context_before_it(tmp_path):
+    """Answers longer than a window are cut into windows that overlap by `context` tokens: every answer token is
+    trained in exactly one window, in order, with the sample's `context` tokens before it there; no prompt token
+    is trained; max_windows=1 keeps only each answer's first window."""
+    from tools.draftdata.shards import read_shard
+
+    target = tiny_llama(0, vocab_size=16)
+    _dataset(tmp_path, target, n=6, length=40, prompt=5)
+    shard, seq_len, context = "shard-000000.npz", 12, 3
+    ids, mask = load_windows(tmp_path, [shard], seq_len=seq_len, context=context, pad=0)
+    data = read_shard(tmp_path / shard)
+    rows = iter(range(len(ids)))
+    for i in range(len(data)):
+        tokens, plen = data.sample(i), int(data.prompt_len[i])
+        pos = plen  # the next answer token to be trained
+        while pos < len(tokens):
+            r = next(rows)
+            window, trained = ids[r].tolist(), torch.nonzero(mask[r]).flatten().tolist()
+            assert trained and trained == list(range(trained[0], trained[-1] + 1))
+            for j in trained:  # the token itself and the sample's context before it
+                assert j >= context and window[j - context:j + 1] == tokens[pos - context:pos + 1]
+                pos += 1
+    assert next(rows, None) is None
+    first, first_mask = load_windows(tmp_path, [shard], seq_len=seq_len, context=context, pad=0, max_windows=1)
+    assert len(first) == len(data) < len(ids) and int(first_mask.sum()) == len(data) * (seq_len - context)
+    with pytest.raises(ValueError):
+        load_windows(tmp_path, [shard], seq_len=context, context=context, pad=0)
 
 
 def test_a_resumed_run_adds_the_shards_finished_since_and_keeps_its_vocabulary(tmp_path):

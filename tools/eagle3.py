@@ -4,8 +4,10 @@
         [--steps 2000] [--max-minutes 60] [--ttt-steps 5] [--seq-len 256] [--batch-size 4]
 
 Data: the shards of `python -m tools.draftdata generate` (the target's answers to prompts made here;
-HumanEval and the benchmark prompts held out there), each sample a window starting 32 tokens before its
-answer; the loss counts answer positions only. The target runs on every batch (its hidden states
+HumanEval and the benchmark prompts held out there), each sample cut into windows of `seq_len` tokens, the
+first starting `context` (32) tokens before its answer, each later one `context` tokens before the last one's end,
+so the whole answer is trained (`--max-windows 1`: its first window only); the loss counts answer positions
+only, each once. The target runs on every batch (its hidden states
 entering the three fused layers and its distribution), so nothing is cached and the data can grow.
 
 Objective (EAGLE-3): no feature regression; "training-time test" over `ttt_steps` steps: step 0 reads
@@ -68,7 +70,8 @@ class Eagle3Config:
     eval_humaneval: int = 16
     eval_chat: int = 8
     eval_new_tokens: int = 64
-    context: int = 32  # prompt tokens kept before the answer in a window
+    context: int = 32  # tokens kept before the answer (or before a later window's first trained token)
+    max_windows: int = 0  # windows a sample at most (0: as many as cover its whole answer)
     max_shards: int = 0  # 0: every shard the manifest lists at the first run
     freeze_data: bool = False  # on resume, keep the checkpoint's shards (default: add those finished since)
     seed: int = 0
@@ -87,18 +90,28 @@ def ttt_mask(n: int, step: int) -> torch.Tensor:
     return ((b == 0) & (s <= t - a)) | ((b >= 1) & (b <= a) & (s == t - a + b))
 
 
-def load_windows(data: Path, names: list[str], seq_len: int, context: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [N, seq_len], answer mask [N, seq_len]: the positions whose token is part of an answer)."""
+def load_windows(data: Path, names: list[str], seq_len: int, context: int, pad: int,
+                 max_windows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [N, seq_len], answer mask [N, seq_len]: the positions whose token is part of an answer and is trained
+    in this window). A sample's first window starts `context` tokens before its answer; while the answer runs
+    past a window, the next starts `context` tokens before the end of the last (its first entries are context
+    again, its mask only the tokens no earlier window held), so the whole answer is trained; `max_windows` > 0
+    keeps at most that many windows a sample (1: its answer's first seq_len - context tokens only)."""
+    if seq_len <= context:
+        raise ValueError(f"seq_len {seq_len} must exceed context {context}")
     ids, mask = [], []
     for name in names:
         shard = read_shard(data / name)
         for i in range(len(shard)):
             tokens, plen = shard.sample(i), int(shard.prompt_len[i])
-            start = max(0, plen - context)
-            window = tokens[start:start + seq_len]
-            m = [start + j >= plen for j in range(len(window))]
-            ids.append(window + [pad] * (seq_len - len(window)))
-            mask.append(m + [False] * (seq_len - len(window)))
+            start, trained, count = max(0, plen - context), plen, 0
+            while trained < len(tokens) and (max_windows <= 0 or count < max_windows):
+                window = tokens[start:start + seq_len]
+                m = [start + j >= trained for j in range(len(window))]
+                ids.append(window + [pad] * (seq_len - len(window)))
+                mask.append(m + [False] * (seq_len - len(window)))
+                trained, count = start + len(window), count + 1
+                start = trained - context
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
@@ -238,7 +251,7 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
     if not names:
         raise ValueError(f"{data} has no finished shard yet")
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    ids, answer = load_windows(data, names, config.seq_len, config.context, pad)  # [N, W]
+    ids, answer = load_windows(data, names, config.seq_len, config.context, pad, config.max_windows)  # [N, W]
     warm = load_eagle3(target, Path(config.init).expanduser(), torch.float32) if config.init and state is None else None
     if state is not None:  # the head's rows are the checkpoint's, whatever data came since
         vocab = state["draft"]["d2t"]

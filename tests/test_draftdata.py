@@ -326,6 +326,29 @@ def test_engine_results_and_fallback(tok, tiny_engine, model_dir, monkeypatch, c
         engines_mod.make_engine("vllm", model_dir, pad_id=2)
 
 
+def test_vllm_dtype_auto_follows_the_cpus_native_bf16(monkeypatch, caplog):
+    """`--vllm-dtype auto` (the default): bfloat16 where /proc/cpuinfo lists avx512_bf16 or amx_bf16, else
+    float32; the choice is logged and reaches the engine."""
+    assert engines_mod.native_bf16("processor: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n")
+    assert engines_mod.native_bf16("flags : fpu amx_bf16 amx_tile\n")
+    assert not engines_mod.native_bf16("flags : fpu sse2 avx2 avx512f avx512bw\n")
+    assert not engines_mod.native_bf16("no flags line\n")
+    made = []
+
+    class Recorder:
+        def __init__(self, model_dir, *, dtype, **kw):
+            made.append(dtype)
+
+    monkeypatch.setattr(engines_mod, "VllmEngine", Recorder)
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(engines_mod, "native_bf16", lambda cpuinfo=None, native=native: native)
+        with caplog.at_level(logging.WARNING, logger="tools.draftdata"):
+            engines_mod.make_engine("vllm", "unused", pad_id=2, vllm_dtype="auto")
+        assert made[-1] == want and f"auto -> {want}" in caplog.text
+    engines_mod.make_engine("vllm", "unused", pad_id=2, vllm_dtype="float32")
+    assert made[-1] == "float32"
+
+
 # -- the committed data ------------------------------------------------------------------------------
 
 COMMITTED = Path(__file__).resolve().parents[1] / "drafts" / "data" / "smollm2-135m"

@@ -156,10 +156,25 @@ class HfEngine:
         return results
 
 
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU computes bf16 natively (avx512_bf16 or AMX): /proc/cpuinfo's flags."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def make_engine(kind: str, model_dir: str | Path, pad_id: int, *, seed: int = 0, threads: int | None = 1,
                 max_model_len: int = 2048, vllm_dtype: str = "float32", hf_dtype: str = "float32",
                 batch_size: int = 16) -> Engine:
-    """`kind`: "vllm", "hf" or "auto" (vLLM when it imports, else transformers, said loudly)."""
+    """`kind`: "vllm", "hf" or "auto" (vLLM when it imports, else transformers, said loudly). `vllm_dtype`
+    "auto": bfloat16 on a CPU with native bf16 (`native_bf16`), else float32."""
+    if vllm_dtype == "auto":
+        vllm_dtype = "bfloat16" if native_bf16() else "float32"
+        log.warning("ENGINE: vLLM dtype auto -> %s (native bf16 on this CPU: %s)", vllm_dtype, native_bf16())
     if kind in ("vllm", "auto"):
         try:
             return VllmEngine(model_dir, dtype=vllm_dtype, max_model_len=max_model_len, seed=seed,

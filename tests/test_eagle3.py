@@ -5,6 +5,8 @@ lowers the loss and raises agreement, a rerun resumes, and the export round-trip
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import torch
 from drafts.eagle3_model import Eagle3Draft, fusion_layers, load_eagle3
 from tests.helpers import tiny_llama
 from tools.draftdata.shards import Manifest, ShardData, ShardRecord, write_shard
-from tools.eagle3 import CURVE, Eagle3Config, load_windows, ttt_forward, ttt_mask, train
+from tools.eagle3 import CHECKPOINT, CURVE, Eagle3Config, load_windows, ttt_forward, ttt_mask, train
 from tools.eagle3_export_checkpoint import export_checkpoint
 
 
@@ -172,6 +174,12 @@ def test_training_lowers_the_loss_resumes_and_exports(tmp_path):
     assert torch.equal(load_eagle3(target, tmp_path / "warm", torch.float32).d2t, loaded.d2t)
     assert start["held_out"]["soft_ce_step0"] < first["soft_ce_step0"]  # not the random start
     assert abs(start["held_out"]["soft_ce_step0"] - last["soft_ce_step0"]) < 0.05, (start, last)
+    # an export of the warm run's checkpoint names the run that wrote it and the draft it began from
+    warm_export, _ = export_checkpoint(tmp_path / "warm" / CHECKPOINT, tmp_path / "warm-export", target, "tandem",
+                                       data=None)
+    meta = json.loads((warm_export / "tandem_draft.json").read_text())
+    assert meta["training_command"] == shlex.join(sys.argv) and meta["init"]["dir"] == str(out)
+    assert meta["init"]["steps"] == 30 and meta["steps"] == 2
 
 
 def test_a_run_without_data_is_refused(tmp_path):

@@ -296,7 +296,8 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
             f.write(json.dumps(entry) + "\n")
         log.info("evaluation %s", json.dumps(entry))
         torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "step": step, "minutes": minutes(), "shards": names}, ckpt)
+                    "scheduler": scheduler.state_dict(), "step": step, "minutes": minutes(), "shards": names,
+                    "command": shlex.join(sys.argv), "config": asdict(config)}, ckpt)  # provenance for an export
         return entry
 
     last = record(None) if step == 0 else None

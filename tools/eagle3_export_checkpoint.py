@@ -32,7 +32,8 @@ TRAINING_COMMAND = ("python -m tools.eagle3 --data drafts/data/smollm2-135m --ou
 
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, target, layout: str = "both",
-                      data: Path | None = DEFAULT_DATA) -> tuple[Path, int | None]:
+                      data: Path | None = DEFAULT_DATA, training_command: str | None = None,
+                      init: str | None = None) -> tuple[Path, int | None]:
     """(the exported directory, the checkpoint's step): the draft's weights and vocabulary map from the
     checkpoint, the embedding and head rows rebuilt from `target`. `layout`: "both", "vllm" or "tandem" (the
     shipped draft is tandem's files only: vLLM's carry the head rows, twice the size; tandem builds them when
@@ -46,22 +47,35 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, target, layout: str = "bo
     if layout in ("both", "vllm"):
         export_vllm(draft, out)
     if layout in ("both", "tandem"):
-        save_tandem(draft, out, provenance(checkpoint, state, target, data))
+        save_tandem(draft, out, provenance(checkpoint, state, target, data, training_command, init))
     return out, state.get("step")
 
 
-def provenance(checkpoint: Path, state: dict, target, data: Path | None) -> dict:
+def provenance(checkpoint: Path, state: dict, target, data: Path | None, training_command: str | None = None,
+               init: str | None = None) -> dict:
     """tandem_draft.json's story of a checkpoint: how it was trained (the run's command, steps, seed, the last
-    point of its learning curve), on what data (the shards, their answer tokens, the manifest's recipe)."""
+    point of its learning curve), on what data (the shards, their answer tokens, the manifest's recipe). The
+    command is `training_command`, else the one the checkpoint recorded, else the default run's; `init`: the draft
+    a warm-started run began from (else the checkpoint's `--init`), whose own provenance tells how it was made."""
     shards = list(state.get("shards", []))
+    config = state.get("config") or {}
+    command = training_command or state.get("command") or TRAINING_COMMAND
+    init = init or config.get("init") or None
     meta = {"target": str(target.config.name_or_path), "steps": state.get("step"),
             "minutes": round(float(state.get("minutes", 0.0)), 1), "checkpoint": str(checkpoint),
             "export_command": shlex.join(["python -m tools.eagle3_export_checkpoint", *sys.argv[1:]]),
-            "training_command": TRAINING_COMMAND, "seed": 0, "torch": torch.__version__,
+            "training_command": command, "seed": config.get("seed", 0), "torch": torch.__version__,
             "weights": "draft.safetensors (bf16): fc, the decoder layer, norm and d2t; the token embedding and the "
                        "head rows at d2t are rebuilt from the target",
             "data": {"dir": str(data) if data else None, "shards": len(shards),
                      "first_shard": shards[0] if shards else None, "last_shard": shards[-1] if shards else None}}
+    if init:
+        init_meta = Path(init).expanduser() / "tandem_draft.json"
+        meta["init"] = {"dir": str(init)}
+        if init_meta.is_file():
+            earlier = json.loads(init_meta.read_text())
+            meta["init"].update({k: earlier.get(k) for k in ("training_command", "command", "steps", "init")
+                                 if k in earlier})
     manifest = Manifest.load(data) if data is not None else None
     if manifest is not None:
         meta["data"].update(recipe=manifest.recipe, answer_tokens=sum(
@@ -84,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the training data (its manifest, for provenance)")
     p.add_argument("--layout", choices=["both", "vllm", "tandem"], default="both",
                    help="vLLM's files, tandem's, or both (default) in OUT")
+    p.add_argument("--training-command", default=None,
+                   help="the run's command, for a checkpoint that did not record it (default: the checkpoint's)")
+    p.add_argument("--init", default=None, help="the draft a warm-started run began from (default: the checkpoint's)")
     args = p.parse_args(argv)
     target = models.load_causal_lm(models.resolve_model_path(args.target), "float32", "cpu")
-    out, step = export_checkpoint(args.checkpoint, args.out, target, args.layout, args.data)
+    out, step = export_checkpoint(args.checkpoint, args.out, target, args.layout, args.data, args.training_command,
+                                  args.init)
     print(f"exported the step-{step} draft to {out}")
     return 0
 

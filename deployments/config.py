@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.core.config import AUTO_PROPOSERS, EAGLE3, EngineConfig, PlacementConfig, check_tp_placement
 from cluster.core.errors import ConfigError, validation_message
 from cluster.session.loop import LoopConfig
-from drafts.factory import check_eagle3_draft, needs_features, speculates
+from drafts.routing import check_eagle3_draft, needs_features, speculates
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.core import grammar
 from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import SamplingParams
+from cluster.core.validation import validate_request
 from cluster.model import models
-from cluster.session.speculate import validate_request
 from cluster.wire.codec import logprob_fields_from_pb, logprobs_to_pb, processor_fields_from_pb, text_fields_from_pb
 from deployments import openai_tools
 from deployments.chunks import ErrorChunk, FinishChunk, TokensChunk

@@ -19,7 +19,8 @@ from cluster.model.runner import TorchModelRunner
 from cluster.model.verifier import Round, VerifierEngine
 from cluster.session.speculate import SpeculativeDecoder
 from drafts.eagle3_model import Eagle3Draft, fusion_layers
-from drafts.factory import make_proposer, needs_features, target_feature_layers
+from drafts.factory import make_proposer
+from drafts.routing import needs_features, target_feature_layers
 from drafts.feature_proposer import SHIPPED_EAGLE3, FeatureProposer, target_features
 from tests.helpers import tiny_llama
 from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
@@ -56,7 +57,7 @@ def test_config_routes_the_shipped_draft_and_refuses_others(tmp_path):
     with pytest.raises(ConfigError, match="kind 'eagle3'"):
         make_proposer(eagle3_config(draft=str(tmp_path)), None, None)
     # inside the hybrid, its c is the one its `drafts validate` records measured
-    from drafts.factory import FEATURE_DRAFT_COST_RATIO, feature_cost_ratio
+    from drafts.routing import FEATURE_DRAFT_COST_RATIO, feature_cost_ratio
 
     records = json.loads((SHIPPED_EAGLE3 / "tandem_draft.json").read_text())["validate"].values()
     assert feature_cost_ratio("eagle3") == pytest.approx(sum(r["cost_ratio"] for r in records) / len(records))

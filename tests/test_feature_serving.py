@@ -15,7 +15,8 @@ from cluster.model.runner import TorchModelRunner
 from cluster.model.verifier import Round, VerifierEngine
 from cluster.session.speculate import SpeculativeDecoder
 from cluster.wire.codec import features_from_pb, features_to_pb
-from drafts.factory import make_proposer, needs_features
+from drafts.factory import make_proposer
+from drafts.routing import needs_features
 from drafts.feature_model import FeatureDraft
 from drafts.feature_proposer import FeatureProposer
 from drafts.hybrid import MODEL, HybridProposer

@@ -486,7 +486,7 @@ def test_own_matches_replace_plain_steps_sample_the_target_and_keep_the_drafter_
 
 
 def test_own_match_follows_the_engine_config():
-    from drafts.factory import own_match
+    from drafts.routing import own_match
 
     assert own_match(EngineConfig.build(proposer="hybrid")).max_tokens == 16
     assert own_match(EngineConfig.build(proposer="hybrid", match_tokens=3)) is None  # not longer than γ

@@ -18,66 +18,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from cluster.core.errors import InvalidRequestError
-from cluster.core.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from cluster.core.logprobs import prompt_logprobs, token_logprobs
 from cluster.core.processors import process_sequence
 from cluster.core.rejection import rejection_sample
+from cluster.core.rounds import Opened, Round, RoundResult
 from cluster.core.sampling import SamplingParams
-from cluster.core.tree import TokenTree, tree_rejection_sample
+from cluster.core.tree import tree_rejection_sample
 from cluster.model.runner import TorchModelRunner
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Round:
-    session: str
-    round: int
-    epoch: int
-    token_ids: list[int]  # [k] drafts
-    draft_probs: torch.Tensor | None  # [k, vocab_size] or None (deterministic proposer)
-    bonus: bool
-    parents: list[int] | None = None  # the drafts form a token tree (cluster.core.tree); None: a chain
-
-    def tree(self) -> TokenTree | None:
-        return None if self.parents is None else TokenTree(self.token_ids, self.parents, self.draft_probs)
-
-
-@dataclass
-class RoundResult:
-    session: str
-    round: int
-    epoch: int
-    num_accepted: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    recovered: bool = False
-    bonus: bool = False
-    stale: bool = False
-    verify_start: float = 0.0
-    verify_end: float = 0.0
-    # the target's last hidden state of the committed positions this round fed (feature-fed drafts
-    # only): rows for positions feature_start ..  # [m, H] bf16
-    features: torch.Tensor | None = None
-    feature_start: int = 0
-    # sessions whose params ask for `logprobs`: one per output token, the target's at its position
-    logprobs: list[TokenLogprob] | None = None
-
-
 Callback = Callable[[RoundResult | Exception], None]
-
-
-class Opened(NamedTuple):
-    """What `VerifierEngine.open` prefilled: the committed tokens' count, the target's features of all but
-    the last (`features` asked)  # [n - 1, H] bf16, and the prompt logprobs (`params.prompt_logprobs` set:
-    one per token after the first, `cluster.core.logprobs.prompt_logprobs`)."""
-
-    length: int
-    features: torch.Tensor | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -22,13 +22,13 @@ from cluster.core.errors import InvalidRequestError, TandemError
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import GenerationResult, SpeculationStats
 from cluster.core.stopping import StopChecker, eos_ids
+from cluster.core.validation import validate_request
 from cluster.session.loop import CostEstimates, LoopConfig, LoopMetrics, RoundTiming, SessionLoop, SessionState
-from cluster.session.speculate import validate_request
 from cluster.wire.codec import features_from_pb, logprobs_from_pb, params_to_pb
 from cluster.wire.remote_ports import GrpcVerifierPort, RayDrafterPort
 from cluster.wire.verifier_pool import StaticDrafter, StaticVerifierPool, VerifierReplicaHandle
-from drafts.factory import needs_features, own_match
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
+from drafts.routing import needs_features, own_match
 from drafts.suffix import OwnMatch
 from protos import pb
 

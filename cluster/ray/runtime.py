@@ -36,7 +36,7 @@ from cluster.session.loop import LoopConfig
 from cluster.wire.transport import LOOPBACK, Endpoint, advertised_endpoint, bind_host, server_credentials
 from cluster.wire.verifier_pool import VerifierReplicaHandle
 from cluster.wire.verifier_server import serve
-from drafts.factory import target_feature_layers
+from drafts.routing import target_feature_layers
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from cluster.model import models
 from cluster.model.onednn import pack_linears
 from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
-from drafts.factory import make_proposer, target_feature_layers
+from drafts.factory import make_proposer
+from drafts.routing import target_feature_layers
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,15 @@ import queue
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cluster.core.messages import DraftReply, SyncOp, apply_sync
+from cluster.core.rounds import Opened, Round, RoundResult
 from cluster.core.sampling import SamplingParams
-from cluster.model.verifier import Opened, Round, RoundResult, VerifierEngine
 from drafts.proposer import Proposer, shapes_sequential_rounds
+
+if TYPE_CHECKING:  # the in-process port's engine: only the processes that run a target load the runner
+    from cluster.model.verifier import VerifierEngine
 
 
 class VerifierPort(Protocol):

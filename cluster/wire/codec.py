@@ -16,7 +16,7 @@ from cluster.core.grammar import StructuredOutputs
 from cluster.core.logprobs import TokenLogprob
 from cluster.core.messages import SparseRow
 from cluster.core.sampling import SamplingParams
-from cluster.model.verifier import Round, RoundResult
+from cluster.core.rounds import Round, RoundResult
 from protos import pb
 
 # -- sampling parameters ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import ray.exceptions
 
 from cluster.core.messages import DraftReply, SyncOp
 from cluster.core.sampling import SamplingParams
-from cluster.model.verifier import RoundResult
+from cluster.core.rounds import RoundResult
 from cluster.session.loop import LoopMetrics
 from cluster.wire.codec import result_from_pb, round_to_pb
 from cluster.wire.verifier_pool import VerifierLease

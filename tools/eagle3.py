@@ -297,7 +297,7 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
         log.info("evaluation %s", json.dumps(entry))
         torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "step": step, "minutes": minutes(), "shards": names,
-                    "command": shlex.join(sys.argv), "config": asdict(config)}, ckpt)  # provenance for an export
+                    **run_provenance(config)}, ckpt)  # an export of the checkpoint names its run
         return entry
 
     last = record(None) if step == 0 else None
@@ -322,11 +322,16 @@ def train(target, tokenizer, out_dir, config: Eagle3Config, eval_sets: dict | No
     return export(target, draft, out, config, manifest, names, len(ids), step, last)
 
 
+def run_provenance(config: Eagle3Config) -> dict:
+    """The run that trained a draft: its command line and config (in its checkpoints and its export)."""
+    return {"command": shlex.join(sys.argv), "config": asdict(config)}
+
+
 def export(target, draft: Eagle3Draft, out: Path, config: Eagle3Config, manifest, names, windows, step, last) -> dict:
     meta = {"target": str(target.config.name_or_path),
             "weights": f"{WEIGHTS} (bf16): fuse, fc, the decoder layer, norm and d2t; the token embedding and "
                        "the head rows at d2t are rebuilt from the target",
-            "command": shlex.join(sys.argv), "config": asdict(config), "steps": step,
+            **run_provenance(config), "steps": step,
             "data": {"dir": str(config.data), "shards": names, "windows": windows,
                      "recipe": manifest.recipe,
                      "answer_tokens": sum(s.answer_tokens for s in manifest.shards if s.file in names)},

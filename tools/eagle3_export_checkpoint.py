@@ -22,6 +22,7 @@ import torch
 
 from cluster.model import models
 from drafts.eagle3_model import Eagle3Draft, export_vllm, save_tandem
+from drafts.feature_proposer import draft_meta
 from tools.draftdata.shards import Manifest
 
 DEFAULT_CHECKPOINT = Path.home() / ".cache" / "tandem" / "eagle3" / "smollm2-135m" / "checkpoint.pt"
@@ -70,12 +71,9 @@ def provenance(checkpoint: Path, state: dict, target, data: Path | None, trainin
             "data": {"dir": str(data) if data else None, "shards": len(shards),
                      "first_shard": shards[0] if shards else None, "last_shard": shards[-1] if shards else None}}
     if init:
-        init_meta = Path(init).expanduser() / "tandem_draft.json"
-        meta["init"] = {"dir": str(init)}
-        if init_meta.is_file():
-            earlier = json.loads(init_meta.read_text())
-            meta["init"].update({k: earlier.get(k) for k in ("training_command", "command", "steps", "init")
-                                 if k in earlier})
+        earlier = draft_meta(init)
+        meta["init"] = {"dir": str(init), **{k: earlier[k] for k in ("training_command", "command", "steps", "init")
+                                             if k in earlier}}
     manifest = Manifest.load(data) if data is not None else None
     if manifest is not None:
         meta["data"].update(recipe=manifest.recipe, answer_tokens=sum(

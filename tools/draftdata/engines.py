@@ -173,8 +173,9 @@ def make_engine(kind: str, model_dir: str | Path, pad_id: int, *, seed: int = 0,
     """`kind`: "vllm", "hf" or "auto" (vLLM when it imports, else transformers, said loudly). `vllm_dtype`
     "auto": bfloat16 on a CPU with native bf16 (`native_bf16`), else float32."""
     if vllm_dtype == "auto":
-        vllm_dtype = "bfloat16" if native_bf16() else "float32"
-        log.warning("ENGINE: vLLM dtype auto -> %s (native bf16 on this CPU: %s)", vllm_dtype, native_bf16())
+        native = native_bf16()
+        vllm_dtype = "bfloat16" if native else "float32"
+        log.warning("ENGINE: vLLM dtype auto -> %s (native bf16 on this CPU: %s)", vllm_dtype, native)
     if kind in ("vllm", "auto"):
         try:
             return VllmEngine(model_dir, dtype=vllm_dtype, max_model_len=max_model_len, seed=seed,

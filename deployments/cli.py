@@ -155,10 +155,14 @@ def _serve(args) -> int:
     endpoints = start(config, args.http_port, args.grpc_port)
     model = next(iter(config.app_configs.values())).model_id
     app = next(iter(config.app_configs.values()))
+    replicas = endpoints.direct.get(endpoints.app_names[0]) or []
+    direct = "".join(f"  direct, replica {i}: {url}/v1   (the same API from that replica itself, past Serve's proxy: "
+                     f"faster; it reaches that replica only)\n" for i, url in enumerate(replicas))
     print(f"tandem is serving {model} on the {app.engine.backend} engine (proposer {app.engine.proposer})\n"
           f"  OpenAI HTTP API: {endpoints.http}/v1   (GET /v1/models, POST /v1/completions, /v1/chat/completions)\n"
           f"  gRPC:            {endpoints.grpc}   (tandem.v1.Generation/Generate; metadata application="
           f"{endpoints.app_names[0]}; reflection and grpc.health.v1 on)\n"
+          f"{direct}"
           f"  try: curl {endpoints.http}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{model}\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32, \"temperature\": 0}}'\n"
           f"Ctrl-C stops it.", flush=True)

@@ -7,7 +7,8 @@ through `TandemAppConfig`, so a wrong key fails before anything starts, with the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -61,6 +62,33 @@ class Endpoints:
     http: str
     grpc: str
     app_names: list[str]
+    direct: dict[str, list[str]] = field(default_factory=dict)  # app -> its ingress replicas' own HTTP addresses
+
+
+def direct_urls(app_name: str, timeout_s: float = 30.0) -> list[str]:
+    """The HTTP addresses at which `app_name`'s ingress replicas answer themselves (Serve's direct ingress, on
+    one machine: `cluster.ray.runtime.LOCAL_SERVE_ENV`), from Serve's controller; [] where it is off. A
+    replica's port is allocated while it starts, so this asks until every running replica has one."""
+    import ray
+    from ray.serve._private.constants import SERVE_PROXY_NAME
+    from ray.serve.context import _get_global_client
+
+    controller = _get_global_client()._controller
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            groups = ray.get(controller.get_target_groups.remote(app_name), timeout=timeout_s)
+        except Exception as e:  # a private Serve call: its failure only loses the printed addresses
+            log.warning("direct ingress addresses of %s not read: %s", app_name, e)
+            return []
+        # the proxy's own group (app_name "") is what Serve answers when direct ingress is off, and an app
+        # whose replicas are not running yet gets the proxies as its targets
+        urls = sorted({f"http://{t.ip}:{t.port}" for g in groups if g.app_name == app_name
+                       and str(getattr(g.protocol, "value", g.protocol)) == "HTTP" for t in g.targets
+                       if not t.name.startswith(SERVE_PROXY_NAME)})
+        if urls or time.monotonic() > deadline or groups and not any(g.app_name == app_name for g in groups):
+            return urls
+        time.sleep(0.5)
 
 
 def start(config: ServeConfig, http_port: int | None = None, grpc_port: int | None = None,
@@ -79,5 +107,6 @@ def start(config: ServeConfig, http_port: int | None = None, grpc_port: int | No
     for app in schema.applications:
         serve.run(build_app(config.app_configs[app.name]), name=app.name, route_prefix=app.route_prefix,
                   blocking=False)
-    return Endpoints(f"http://{LOOPBACK}:{http_port}", f"{LOOPBACK}:{grpc_port}",
-                     [app.name for app in schema.applications])
+    names = [app.name for app in schema.applications]
+    return Endpoints(f"http://{LOOPBACK}:{http_port}", f"{LOOPBACK}:{grpc_port}", names,
+                     {name: direct_urls(name) for name in names})

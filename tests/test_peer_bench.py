@@ -264,3 +264,26 @@ def test_vllm_alone_sides_and_their_speculative_configs():
     argv = server_argv("vllm_eagle3", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == eagle3
     assert "--speculative-config" not in server_argv("vllm", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)
+
+
+def test_a_tandem_side_is_called_at_the_replica_address_tandem_serve_printed(tmp_path):
+    """`tandem serve` prints its first replica's own address (Serve's direct ingress); the bench calls a tandem
+    side there unless told "proxy", and a server that printed none (vLLM alone) at its own URL."""
+    from tools.peer_bench import Process, direct_url
+
+    log = tmp_path / "tandem.log"
+    log.write_text("tandem is serving M on the vllm engine (proposer suffix)\n"
+                   "  OpenAI HTTP API: http://127.0.0.1:8100/v1   (GET /v1/models)\n"
+                   "  direct, replica 0: http://127.0.0.1:30002/v1   (the same API from that replica itself)\n"
+                   "  direct, replica 1: http://127.0.0.1:30003/v1   (the same API from that replica itself)\n")
+    assert direct_url(str(log)) == "http://127.0.0.1:30002"
+    assert direct_url(str(tmp_path / "none.log")) is None
+    (tmp_path / "vllm.log").write_text("INFO: Uvicorn running on http://127.0.0.1:8110\n")
+    assert direct_url(str(tmp_path / "vllm.log")) is None
+    proc = Process.__new__(Process)  # no server started: only the address choice
+    proc.url, proc.direct = "http://127.0.0.1:8100", direct_url(str(log))
+    assert proc.client_url() == "http://127.0.0.1:30002" and proc.client_url("proxy") == proc.url
+    proc.direct = None
+    assert proc.client_url() == proc.url
+    with pytest.raises(ValueError):
+        proc.client_url("elsewhere")

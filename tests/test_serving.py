@@ -499,12 +499,26 @@ def test_logprobs_with_n_a_stop_string_and_grpc(server, client, tokenizer, promp
     assert sum(len(r.token_ids) for r in responses) == 8
 
 
+def test_the_ingress_replica_answers_at_its_own_port(server, prompt_ids, references):
+    """Serve's direct ingress on one machine: the torch path's `Ingress` replica answers the same API at its own
+    loopback port (the key checked, the target's greedy tokens), and `tandem serve` has the address to print."""
+    [direct] = server.direct["tandem"]
+    assert direct.startswith("http://127.0.0.1:") and direct != server.http
+    body = {"model": MODEL, "prompt": "def fib(n):", "max_tokens": 4}
+    assert httpx.post(direct + "/v1/completions", json=body, timeout=60).status_code == 401
+    i = next(i for i, (_, chat) in enumerate(PROMPTS) if not chat)
+    r = httpx.post(direct + "/v1/completions", timeout=300, headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": MODEL, "prompt": PROMPTS[i][0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "return_token_ids": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == _ref(references, prompt_ids, i)
+
+
 def test_serve_processes_run_with_the_shipped_serve_settings(server):
     """`SERVE_THROUGHPUT_ENV` (the throughput mode, the controller's 1 s loop) is in the environment of the
     processes that read it: Serve's controller, its proxy and the replicas of this application."""
     from ray._private.state import actors
 
-    from cluster.ray.runtime import SERVE_THROUGHPUT_ENV
+    from cluster.ray.runtime import LOCAL_SERVE_ENV as SERVE_THROUGHPUT_ENV  # on one machine: direct ingress on
 
     serve_actors = [a for a in actors(actor_state_name="ALIVE").values()
                     if a["ActorClassName"] in ("ServeController", "ProxyActor")

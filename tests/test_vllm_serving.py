@@ -419,6 +419,29 @@ def test_replicas_are_the_ingress_and_streams_are_paced(server):
     assert 1 < len(pieces) <= 40
 
 
+def test_a_replica_answers_at_its_own_port_with_the_same_api(server, tokenizer, prompt_ids, references):
+    """On one machine Serve's direct ingress is on (`cluster.ray.runtime.LOCAL_SERVE_ENV`): the replica answers
+    the same API at its own loopback port, past the proxy: the key checked, the target's greedy tokens streamed,
+    a bad request refused with the same OpenAI error body."""
+    [direct] = server.direct["tandem"]
+    assert direct.startswith("http://127.0.0.1:") and direct != server.http
+    body = {"model": MODEL, "prompt": "def fib(n):", "max_tokens": 8}
+    assert httpx.post(direct + "/v1/completions", json=body, timeout=60).status_code == 401
+    client = openai.OpenAI(base_url=direct + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    i = next(i for i, (_, chat) in enumerate(PROMPTS) if chat)
+    ref = _ref(references, prompt_ids, i)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[i][0]}],
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True})
+    ids = [t for chunk in stream for c in chunk.choices for t in c.model_extra.get("token_ids") or []]
+    assert ids == ref
+    bad = httpx.post(direct + "/v1/completions", json={**body, "max_tokens": -1}, timeout=60,
+                     headers={"Authorization": f"Bearer {API_KEY}"})
+    via_proxy = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": -1}, timeout=60,
+                           headers={"Authorization": f"Bearer {API_KEY}"})
+    assert bad.status_code == via_proxy.status_code == 400 and bad.json() == via_proxy.json()
+
+
 def test_sessions_released_on_finish_and_disconnect(server):
     body = {"model": MODEL, "prompt": "Count from one to a thousand: one, two,", "max_tokens": 1500,
             "temperature": 0, "stream": True, "ignore_eos": True}

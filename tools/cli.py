@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --peer: the OpenMP runtime of vLLM alone: intel (libiomp5 in LD_PRELOAD, as vLLM's CPU "
                             "guide sets it up and tandem gives its own engine) or gnu (vLLM's fallback, libgomp)")
     bench.add_argument("--peer-config", default="ray_config.yaml", help="with --peer: tandem's Serve config")
+    bench.add_argument("--peer-tandem-via", choices=["direct", "proxy"], default="direct",
+                       help="with --peer: call each tandem server at its replica's own port, as `tandem serve` prints "
+                            "it (direct: Serve's direct ingress on one machine), or through Serve's proxy")
     bench.add_argument("--peer-repeats", type=int, default=2, help="with --peer: batches per server at N streams")
     bench.add_argument("--peer-port", type=int, default=8100, help="with --peer: first port (each server +10)")
     bench.add_argument("--peer-logs", default=".", help="with --peer: folder for the servers' logs")
@@ -96,7 +99,8 @@ def _peer(args) -> int:
     reports = []
     for group in [(name,) for name in which] if args.peer_alone else [which]:  # alone: idle sides cost nothing
         procs, servers = start_servers(model_dir, args.peer_config, dtype, 2048, args.peer_port, args.peer_logs,
-                                       group, vllm_bind=args.peer_vllm_bind, openmp=args.peer_vllm_openmp)
+                                       group, vllm_bind=args.peer_vllm_bind, openmp=args.peer_vllm_openmp,
+                                       via=args.peer_tandem_via)
         try:
             reports.append(compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
                                    reference=servers[0].name))
@@ -108,7 +112,8 @@ def _peer(args) -> int:
                   given={"vllm": f"VLLM_CPU_OMP_THREADS_BIND={args.peer_vllm_bind} (also on tandem's vLLM "
                                  f"replicas), VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')} GiB, "
                                  f"OpenMP {args.peer_vllm_openmp}",
-                         "tandem": f"{args.peer_config} as it is (its `threads` for the torch engine)",
+                         "tandem": f"{args.peer_config} as it is (its `threads` for the torch engine), called "
+                                   f"{'at its replica' + chr(39) + 's own port' if args.peer_tandem_via == 'direct' else 'through Serve' + chr(39) + 's proxy'}",
                          "binds": {side: split_bind(side, args.peer_vllm_bind)[1] for side in which}})
     print(format_peer_report(report))
     if args.json:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -209,6 +210,19 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, name: str) -
     raise RuntimeError(f"{name} did not serve within {timeout_s:.0f} s")
 
 
+DIRECT_LINE = re.compile(r"^\s*direct, replica 0: (http://\S+)/v1\b", re.M)
+
+
+def direct_url(log_path: str) -> str | None:
+    """The address `tandem serve` printed for its first replica's own HTTP port (Serve's direct ingress), if any."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return None
+    found = DIRECT_LINE.search(text)
+    return found.group(1) if found else None
+
+
 class Process:
     """A server process started by the bench; stopped with SIGTERM (a background job ignores SIGINT)."""
 
@@ -223,6 +237,14 @@ class Process:
         except Exception:
             self.stop()
             raise
+        self.direct = direct_url(log_path)
+
+    def client_url(self, via: str = "direct") -> str:
+        """Where a client calls this server: a tandem server's first replica itself (`via` "direct", as
+        `tandem serve` prints it, Serve's direct ingress on one machine) when it has one, else its `url`."""
+        if via not in ("direct", "proxy"):
+            raise ValueError(f"via {via!r}: direct or proxy")
+        return self.direct if via == "direct" and self.direct else self.url
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -326,10 +348,11 @@ def server_argv(name: str, model_dir: str, config: str, dtype: str, max_model_le
 
 def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, base_port: int, log_dir: str,
                   which: tuple[str, ...], vllm_bind: str = "auto",
-                  openmp: str = "intel") -> tuple[list[Process], list[Server]]:
+                  openmp: str = "intel", via: str = "direct") -> tuple[list[Process], list[Server]]:
     """Start the servers `which` names (vllm, vllm_ngram, tandem, tandem_vllm; each optionally @BIND, its
     own VLLM_CPU_OMP_THREADS_BIND instead of `vllm_bind`; vLLM-alone sides on `openmp`): their processes, and
-    the sides of the comparison (each speculative tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`)."""
+    the sides of the comparison (each speculative tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`);
+    a tandem side is called `via` its replica's own port ("direct") or Serve's proxy ("proxy")."""
     procs, servers = [], []
     try:
         for i, side in enumerate(which):
@@ -340,6 +363,9 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
             env = {**server_env(bind), **openmp_env(name, openmp)}
             proc = Process(side, argv, url, env, os.path.join(log_dir, f"{side.replace('@', '-')}.log"))
             procs.append(proc)
+            url = proc.client_url(via)
+            if via == "direct" and name not in VLLM_SIDES and url == proc.url:  # loud: the bench's path changed
+                print(f"{side}: printed no replica address; called through Serve's proxy", file=sys.stderr)
             servers.append(Server(side, url, proc.model))
             if has_plain_side(name):
                 servers.append(Server(f"{side}_plain", url, proc.model, PLAIN))

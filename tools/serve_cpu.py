@@ -14,7 +14,8 @@ machine whose cores the engine's spinning threads fill, that is CPU taken from t
 
 `--ab OUT_DIR RUN...` starts each server in turn, alone (the peer bench's servers: `vllm`,
 `tandem_vllm_none`, ...; `RUN:VAR=VALUE,...` adds environment variables, `RUN:config=PATH` gives a tandem
-side its own Serve config), waits until it decodes, then reads
+side its own Serve config, `RUN:via=proxy` calls a tandem side through Serve's proxy instead of its replica's
+own port), waits until it decodes, then reads
 10 s idle, one stream (12 x 128 tokens) and 16 streams (48 x 64), and stops it; each run's table goes to
 OUT_DIR/N-RUN.txt, its server's log beside it (BENCHMARKS.md, "Serve's throughput mode"):
 
@@ -125,6 +126,7 @@ def ab(out_dir: str, runs: list[str], config: str, bind: str, port: int = 8300, 
         name, _, extra = run.partition(":")
         settings = dict(kv.split("=", 1) for kv in extra.split(",") if kv)
         run_config = settings.pop("config", config)  # a tandem side's own Serve config
+        via = settings.pop("via", "direct")  # a tandem side called at its replica's own port or through the proxy
         env = {**server_env(bind), **openmp_env(name), **settings}  # vLLM alone on Intel's OpenMP, as tandem's engine
         tag = f"{n}-{run}".replace(":", "-").replace(",", "-").replace("/", "_")
         server = Process(run, server_argv(name, model_dir, run_config, "bfloat16", 2048, port), f"http://127.0.0.1:{port}",
@@ -132,8 +134,9 @@ def ab(out_dir: str, runs: list[str], config: str, bind: str, port: int = 8300, 
         try:
             time.sleep(10)  # the start's own work settles
             quiet = idle(10)
-            one = measure(server.url, server.model, 12, 128, 1)
-            many = measure(server.url, server.model, 48, 64, 16)
+            url = server.client_url(via)
+            one = measure(url, server.model, 12, 128, 1)
+            many = measure(url, server.model, 48, 64, 16)
             text = "\n".join([format_idle(quiet, top), format_load(one, top), format_load(many, top)])
         finally:
             server.stop()

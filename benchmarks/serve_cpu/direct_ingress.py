@@ -4,8 +4,8 @@ through its replica's own HTTP port, alternated (BENCHMARKS.md, "Serve's direct 
     python benchmarks/serve_cpu/direct_ingress.py OUT_DIR [ROUNDS] [SIDE]
 
 It starts one `tandem serve` (SIDE, a `tools.peer_bench` server name, default `tandem`) with
-`RAY_SERVE_ENABLE_DIRECT_INGRESS=1` (the ingress replica then also answers HTTP on a port of its own,
-30000-31000), finds that port, and reads it and the proxy's port in turn, ROUNDS times (default 2):
+Serve's direct ingress (the ingress replica also answers HTTP on a port of its own, 30000-31000, which
+`tandem serve` prints), and reads it and the proxy's port in turn, ROUNDS times (default 2):
 chat, 12 streamed requests x 128 tokens at one stream, 48 x 64 at 16 (`tools.serve_cpu.measure`, with
 each process's CPU per token). One server, so the engine, its warm-up and the machine's state are shared
 by both sides; only the path of each request differs.
@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)
@@ -26,18 +24,6 @@ from tools.peer_bench import Process, openmp_env, server_argv, server_env  # noq
 from tools.serve_cpu import format_load, measure  # noqa: E402
 
 PORT = 8300
-
-
-def replica_port(model: str, first: int = 30000, last: int = 30020) -> int:
-    """The direct-ingress port of the one ingress replica: the first in Serve's range answering /v1/models."""
-    for port in range(first, last + 1):
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-        except httpx.HTTPError:
-            continue
-        if r.status_code == 200 and model in r.text:
-            return port
-    raise RuntimeError(f"no replica answers on ports {first}-{last}")
 
 
 def main() -> int:
@@ -51,7 +37,9 @@ def main() -> int:
     results = []
     try:
         time.sleep(10)
-        direct = f"http://127.0.0.1:{replica_port(server.model)}"
+        direct = server.client_url("direct")  # the address `tandem serve` printed
+        if direct == server.url:
+            raise RuntimeError("the server printed no replica address")
         print(f"proxy {server.url}, replica {direct}", flush=True)
         for n in range(rounds):
             for name, url in (("proxy", server.url), ("direct", direct)) if n % 2 == 0 else \

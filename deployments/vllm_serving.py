@@ -43,6 +43,7 @@ from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
 from cluster.vllm.engine import checked_eagle3_dir, from_vllm_logprobs, to_vllm_params
 from cluster.vllm.openmp import engine_processes_on_intel_openmp
+from cluster.vllm import reaper
 from cluster.vllm.proposer import PROPOSER_CLASS
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens
 from cluster.vllm.worker import WORKER_EXTENSION
@@ -198,6 +199,8 @@ class TandemLLMServer(_server_base()):
         # vLLM's engine core and workers, started in super().__init__, inherit it; this process does not load it
         with engine_processes_on_intel_openmp(config.vllm.intel_openmp and config.verifier.placement.num_gpus == 0):
             await super().__init__(llm_config, **kwargs)
+        # a replica Ray kills (a shutdown past its timeout, ray.kill, the OOM killer) takes its engine with it
+        self.reaper = reaper.watch(reaper.named_children(os.getpid(), reaper.ENGINE_CORE))
         if self.tandem_proposer:
             tuning = {k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first", "max_k")}
             if self.drafter is not None:
@@ -373,6 +376,12 @@ class TandemLLMServer(_server_base()):
 
     def sessions(self) -> int:
         return self.open_sessions
+
+    def processes(self) -> dict:
+        """This replica's pid, its vLLM engine core's and the pid of the reaper that stops the engine if the replica
+        is killed (`cluster.vllm.reaper`)."""
+        return {"replica": os.getpid(), "engine": reaper.named_children(os.getpid(), reaper.ENGINE_CORE),
+                "reaper": self.reaper.pid if self.reaper else None}
 
     async def check_health(self) -> None:
         # the engine only: a drafter that died or is restarting means plain steps, not a failed replica

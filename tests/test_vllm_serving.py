@@ -611,3 +611,18 @@ def test_an_idle_replica_reads_the_proposer_counters_once_after_its_last_session
     assert gate.due(0)
     gate.mark_read(gate.opened)
     assert not gate.due(0) and gate.due(1)  # idle: skipped; a session still open: read
+
+
+def test_the_replicas_engine_has_a_reaper_for_when_the_replica_is_killed(server):
+    """A replica Ray kills runs no shutdown; the reaper it started (`cluster.vllm.reaper`) then stops its vLLM engine
+    core, which otherwise runs on with init as its parent (tests/test_reaper.py kills such a parent)."""
+    from cluster.vllm import reaper
+
+    procs = _verifier().processes.remote().result(timeout_s=60)
+    assert len(procs["engine"]) == 1 and procs["reaper"], procs
+    reaper_pid = procs["reaper"]
+    cmdline = open(f"/proc/{reaper_pid}/cmdline", "rb").read().split(b"\0")
+    assert b"cluster.vllm.reaper" in cmdline and cmdline[cmdline.index(b"cluster.vllm.reaper") + 1] == str(procs["replica"]).encode()
+    engine = procs["engine"][0]
+    assert f"{engine}:{reaper.start_time(engine)}".encode() in cmdline  # watching that engine core as it started
+    assert reaper.start_time(reaper_pid) is not None  # and still running

@@ -55,6 +55,7 @@ from cluster.model import models  # noqa: E402
 from cluster.ray.drafter import launch_drafter  # noqa: E402
 from cluster.ray.runtime import init_local_ray  # noqa: E402
 from cluster.session.speculate import GenerationResult, SpeculationStats, validate_request  # noqa: E402
+from cluster.vllm import reaper  # noqa: E402
 from cluster.vllm.openmp import engine_processes_on_intel_openmp  # noqa: E402
 from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
 from cluster.vllm.protocol import INLINE_ONLY, DrafterSpec, RayDrafter, engine_draft_tokens, inline_matches  # noqa: E402
@@ -179,6 +180,7 @@ class VLLMEngine:
         with engine_processes_on_intel_openmp(not torch.cuda.is_available()):  # cluster.vllm.openmp
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
+        self.reaper = reaper.watch(reaper.named_children(os.getpid(), reaper.ENGINE_CORE))  # no orphan if this process is killed
         self.fix = self.llm.collective_rpc("tandem_fix_rejection_sampler")[0]  # in every worker, before any request
         self.drafter_spec = None
         if method == "tandem" and drafter is not None:

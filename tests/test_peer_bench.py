@@ -263,7 +263,10 @@ def test_vllm_alone_sides_and_their_speculative_configs():
         list(r) for r in EAGLE3_SCHEDULE]}  # the schedule tandem gives vLLM's eagle3 method
     argv = server_argv("vllm_eagle3", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == eagle3
-    assert "--speculative-config" not in server_argv("vllm", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)
+    plain = server_argv("vllm", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)
+    assert "--speculative-config" not in plain and "--no-async-scheduling" not in plain
+    # vLLM alone as a custom proposer leaves it: async scheduling off, nothing else changed
+    assert server_argv("vllm_sync", "/m", "ray_config.yaml", "bfloat16", 2048, 8100) == plain + ["--no-async-scheduling"]
 
 
 def test_a_tandem_side_is_called_at_the_replica_address_tandem_serve_printed(tmp_path):

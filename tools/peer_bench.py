@@ -43,7 +43,9 @@ PLAIN = {"num_speculative_tokens": 0}  # tandem's plain decoding, on the same se
 # vLLM's own eagle3 method on tandem's shipped EAGLE-3 draft (its vLLM layout written once under the cache), γ 3;
 # "_sched": with vLLM's γ by batch size (`num_speculative_tokens_per_batch_size`), the schedule tandem gives it
 # (`deployments.config.EAGLE3_SCHEDULE`)
-VLLM_SIDES = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_eagle3_sched")
+# "vllm_sync": vLLM alone with its async scheduling off, as vLLM turns it off for any `custom_class` proposer
+# (tandem's): what that costs plain decoding, with no tandem process on the path
+VLLM_SIDES = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_eagle3_sched", "vllm_sync")
 
 
 def vllm_spec(name: str) -> dict | None:
@@ -256,11 +258,12 @@ class Process:
         self.log.close()
 
 
-def vllm_argv(model_dir: str, port: int, dtype: str, max_model_len: int, spec: dict | None) -> list[str]:
+def vllm_argv(model_dir: str, port: int, dtype: str, max_model_len: int, spec: dict | None,
+              sync: bool = False) -> list[str]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--served-model-name", "peer"]
-    return argv + (["--speculative-config", json.dumps(spec)] if spec else [])
+    return argv + (["--speculative-config", json.dumps(spec)] if spec else []) + (["--no-async-scheduling"] if sync else [])
 
 
 TANDEM_ENGINES = ("auto", "torch", "vllm")
@@ -342,7 +345,7 @@ def server_argv(name: str, model_dir: str, config: str, dtype: str, max_model_le
     """The command line of the server `name` (`VLLM_SIDES`, tandem[_ENGINE][_PROPOSER]) on `port` (tandem's
     gRPC on port + 1)."""
     if name in VLLM_SIDES:
-        return vllm_argv(model_dir, port, dtype, max_model_len, vllm_spec(name))
+        return vllm_argv(model_dir, port, dtype, max_model_len, vllm_spec(name), sync=name == "vllm_sync")
     return tandem_argv(config, port, port + 1, tandem_flags(name))  # the config, engine / proposer maybe replaced
 
 

@@ -51,6 +51,7 @@ from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, SessionProg
 from deployments.config import TandemAppConfig
 from deployments.metrics import StatsGate, TandemMetrics
 from deployments.pacing import StreamPacing, paced
+from deployments.vllm_replica import LOCAL_MODEL_CALLBACK, skip_llm_telemetry_actor
 from deployments.router import IncrementalText
 
 log = logging.getLogger(__name__)
@@ -101,35 +102,6 @@ def llm_config(config: TandemAppConfig):
                      placement_group_config={"bundles": [bundle] * config.tensor_parallel_size,
                                              "strategy": "STRICT_PACK"},
                      engine_kwargs=engine_kwargs, runtime_env={"env_vars": env}, deployment_config=deployment)
-
-
-def _callback_base():
-    from ray.llm._internal.common.callbacks.base import CallbackBase
-
-    return CallbackBase
-
-
-class LocalModelCallback(_callback_base()):
-    """Serve LLM's node initialisation for a model already on this node's disk: its replica normally runs a
-    task per node of its placement group to download the model files (a fresh worker process each time,
-    ~15 s here); a local directory with every bundle on this node has nothing to download, so that step is
-    skipped (`CallbackCtx.run_init_node`). Anything else goes through Serve LLM's own initialisation."""
-
-    async def on_before_node_init(self) -> None:
-        import ray
-        from ray.util import placement_group_table
-
-        source = self.llm_config.model_loading_config.model_source
-        group = self.ctx.placement_group
-        if not isinstance(source, str) or not os.path.isdir(source) or group is None:
-            return
-        nodes = set(placement_group_table(group)["bundles_to_node_id"].values())
-        if nodes == {ray.get_runtime_context().get_node_id()}:
-            self.ctx.run_init_node = False
-            log.info("model files %s are on this node: no download tasks", source)
-
-
-LOCAL_MODEL_CALLBACK = f"{LocalModelCallback.__module__}.{LocalModelCallback.__qualname__}"
 
 
 def _resumed(sampling: SamplingParams, done: int, remaining: int) -> SamplingParams | None:
@@ -196,6 +168,7 @@ class TandemLLMServer(_server_base()):
                 num_gpus=placement.get("num_gpus", 0), accelerator_type=placement.get("accelerator_type"),
                 resources=placement.get("resources"), scheduling_strategy="DEFAULT",  # not in the replica's group
                 max_restarts=-1)
+        skip_llm_telemetry_actor()
         # vLLM's engine core and workers, started in super().__init__, inherit it; this process does not load it
         with engine_processes_on_intel_openmp(config.vllm.intel_openmp and config.verifier.placement.num_gpus == 0):
             await super().__init__(llm_config, **kwargs)

@@ -626,3 +626,17 @@ def test_the_replicas_engine_has_a_reaper_for_when_the_replica_is_killed(server)
     engine = procs["engine"][0]
     assert f"{engine}:{reaper.start_time(engine)}".encode() in cmdline  # watching that engine core as it started
     assert reaper.start_time(reaper_pid) is not None  # and still running
+
+
+def test_no_telemetry_actor_while_rays_usage_stats_are_off(server):
+    """`deployments.vllm_replica.skip_llm_telemetry_actor`: Serve LLM starts its detached `TelemetryAgent` only to hold
+    usage tags Ray sends with usage stats on; tandem turns them off, so the replica starts no such actor."""
+    import ray
+    from ray._common.usage import usage_lib
+    from ray.llm._internal.serve.observability.usage_telemetry.usage import (
+        LLM_SERVE_TELEMETRY_ACTOR_NAME, LLM_SERVE_TELEMETRY_NAMESPACE)
+
+    assert not usage_lib.usage_stats_enabled()
+    assert _verifier().processes.remote().result(timeout_s=60)["engine"]  # the replica's engine has started
+    with pytest.raises(ValueError):
+        ray.get_actor(LLM_SERVE_TELEMETRY_ACTOR_NAME, namespace=LLM_SERVE_TELEMETRY_NAMESPACE)

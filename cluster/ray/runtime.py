@@ -81,7 +81,7 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
     # otherwise put the node on the machine's own address (Ray resolves 127.0.0.1 to it)
     ray_constants.ENABLE_RAY_CLUSTER = False
     # CPUs are logical here: actors are mostly waiting, and each pins its own torch threads.
-    env = {**LOOPBACK_ONLY_ENV, **serve_environment(local=True)}
+    env = {**LOOPBACK_ONLY_ENV, **serve_environment(local=True), **local_ray_environment()}
     with environment(env):  # what Ray's processes (started here) inherit
         ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
                  include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
@@ -119,6 +119,18 @@ SERVE_THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_USE_GR
 # operator fronts the replicas with Serve's proxy or HAProxy.
 LOCAL_SERVE_ENV = {**SERVE_THROUGHPUT_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
                    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+
+
+# A Ray on this machine alone starts no idle workers ahead of need. Ray's raylet prestarts Python workers for the
+# first driver (`RAY_prestart_worker_first_driver`, `RAY_enable_worker_prestart`); with the logical CPUs tandem
+# declares they wait as `ray::IDLE` processes for the server's life, each polling about 0.6% of a core on a machine
+# whose two cores run vLLM's OpenMP threads (BENCHMARKS.md, "What Ray's processes cost idle"). An actor then starts
+# its worker when it is created, as it does once the prestarted ones are used. A value already in the environment is kept.
+LOCAL_RAY_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
+
+
+def local_ray_environment() -> dict[str, str]:
+    return {k: os.environ.get(k, v) for k, v in LOCAL_RAY_ENV.items()}
 
 
 def serve_environment(local: bool = False) -> dict[str, str]:

@@ -13,8 +13,8 @@ log = logging.getLogger(__name__)
 def skip_llm_telemetry_actor() -> bool:
     """With Ray's usage stats off (tandem turns them off: `cluster.TELEMETRY_OFF`), Serve LLM's replica still
     starts a detached `TelemetryAgent` actor when its engine starts, to hold usage tags that Ray then never sends:
-    one more process polling ~0.6% of a core for the server's life (BENCHMARKS.md, "What Ray's processes cost
-    idle"). Replaces that call with nothing, in this process, only while usage stats are off. Returns whether it did."""
+    one more process polling ~0.6% of a core for the server's life (BENCHMARKS.md, "The plain path's
+    last 10%"). Replaces that call with nothing, in this process, only while usage stats are off. Returns whether it did."""
     from ray._common.usage import usage_lib
     from ray.llm._internal.serve.core.server import llm_server
 

@@ -41,9 +41,9 @@ from cluster.core.stopping import eos_ids
 from cluster.model import models
 from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
+from cluster.vllm import reaper
 from cluster.vllm.engine import checked_eagle3_dir, from_vllm_logprobs, to_vllm_params
 from cluster.vllm.openmp import engine_processes_on_intel_openmp
-from cluster.vllm import reaper
 from cluster.vllm.proposer import PROPOSER_CLASS
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens
 from cluster.vllm.worker import WORKER_EXTENSION
@@ -51,8 +51,8 @@ from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, SessionProg
 from deployments.config import TandemAppConfig
 from deployments.metrics import StatsGate, TandemMetrics
 from deployments.pacing import StreamPacing, paced
-from deployments.vllm_replica import LOCAL_MODEL_CALLBACK, skip_llm_telemetry_actor
 from deployments.router import IncrementalText
+from deployments.vllm_replica import LOCAL_MODEL_CALLBACK, skip_llm_telemetry_actor
 
 log = logging.getLogger(__name__)
 PROPOSER_STATS_TIMEOUT_S = 5.0  # the proposer-counter RPC made at each health check (metrics only)

@@ -124,7 +124,7 @@ LOCAL_SERVE_ENV = {**SERVE_THROUGHPUT_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1
 # A Ray on this machine alone starts no idle workers ahead of need. Ray's raylet prestarts Python workers for the
 # first driver (`RAY_prestart_worker_first_driver`, `RAY_enable_worker_prestart`); with the logical CPUs tandem
 # declares they wait as `ray::IDLE` processes for the server's life, each polling about 0.6% of a core on a machine
-# whose two cores run vLLM's OpenMP threads (BENCHMARKS.md, "What Ray's processes cost idle"). An actor then starts
+# whose two cores run vLLM's OpenMP threads (BENCHMARKS.md, "The plain path's last 10%"). An actor then starts
 # its worker when it is created, as it does once the prestarted ones are used. A value already in the environment is kept.
 LOCAL_RAY_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 

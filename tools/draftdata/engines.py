@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 from transformers import AutoModelForCausalLM
 
+from cluster.vllm import reaper
+
 log = logging.getLogger("tools.draftdata")
 
 
@@ -78,6 +80,8 @@ class VllmEngine:
         self.llm = vllm.LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype,
                             max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                             enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+        # no orphaned engine if this generator is killed (it runs for hours in the background)
+        self.reaper = reaper.watch(reaper.named_children(os.getpid(), reaper.ENGINE_CORE), "draft-data vLLM engine")
         log.warning("ENGINE: vLLM %s (%s, max_model_len %d, OMP bind %s) started in %.0f s",
                     vllm.__version__, dtype, max_model_len, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                     time.perf_counter() - t0)

@@ -27,8 +27,8 @@ PARENT = textwrap.dedent("""
     found = reaper.named_children(os.getpid(), reaper.ENGINE_CORE)
     proc = reaper.watch(found)
     print(core.pid, proc.pid if proc else 0, *found, flush=True)
-    if sys.argv[1] == "end-engine":
-        core.kill(); core.wait()
+    if sys.argv[1] == "end-engine":  # the engine's own shutdown: it and its child end while the parent runs
+        reaper.stop([core.pid]); core.wait()
     time.sleep(300)
 """)
 

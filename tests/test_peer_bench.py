@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -290,3 +292,27 @@ def test_a_tandem_side_is_called_at_the_replica_address_tandem_serve_printed(tmp
     assert proc.client_url() == proc.url
     with pytest.raises(ValueError):
         proc.client_url("elsewhere")
+
+
+def test_orphaned_vllm_processes_are_named_loudly(capsys):
+    """`warn_orphans`: a vLLM process whose owner has gone skews every reading after it, so the bench names it
+    (before its servers start and after each stops). Here this test's own child stands for init's."""
+    import subprocess
+
+    from tools.peer_bench import orphaned_engines, warn_orphans
+
+    assert orphaned_engines(os.getpid()) == [] and warn_orphans("now", parent=os.getpid()) == []
+    assert capsys.readouterr().err == ""
+    engine = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 30"])
+    other = subprocess.Popen(["sleep", "30"])  # not vLLM's: not named
+    try:
+        deadline = time.monotonic() + 5
+        while not orphaned_engines(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert orphaned_engines(os.getpid()) == [engine.pid]
+        assert warn_orphans("after x stopped", parent=os.getpid()) == [engine.pid]
+        err = capsys.readouterr().err
+        assert "WARNING: 1 orphaned vLLM process(es) after x stopped" in err and str(engine.pid) in err
+    finally:
+        engine.kill(), other.kill()
+        engine.wait(), other.wait()

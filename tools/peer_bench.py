@@ -36,6 +36,7 @@ import httpx
 
 from cluster import TELEMETRY_OFF
 from cluster.core.config import EAGLE3_DRAFT, PROPOSERS
+from cluster.vllm import reaper
 from deployments.config import VLLMServingConfig
 
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}  # vLLM's docs' setting
@@ -225,6 +226,23 @@ def direct_url(log_path: str) -> str | None:
     return found.group(1) if found else None
 
 
+def orphaned_engines(parent: int = 1) -> list[int]:
+    """vLLM's processes (titled "VLLM::...") that init has adopted: left running by a server that did not stop its
+    engine (`cluster.vllm.reaper` prevents it for tandem's), they take CPU from whatever is measured next."""
+    return sorted(reaper.named_children(parent, "VLLM::"))
+
+
+def warn_orphans(when: str, wait_s: float = 0.0, parent: int = 1) -> list[int]:
+    """Orphaned vLLM processes `when` (waiting up to `wait_s` for a reaper to stop them), named loudly on stderr."""
+    deadline = time.monotonic() + wait_s
+    while (found := orphaned_engines(parent)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if found:
+        print(f"WARNING: {len(found)} orphaned vLLM process(es) {when}: {found}; they take CPU from the readings "
+              f"(kill {' '.join(map(str, found))})", file=sys.stderr, flush=True)
+    return found
+
+
 class Process:
     """A server process started by the bench; stopped with SIGTERM (a background job ignores SIGINT)."""
 
@@ -255,6 +273,7 @@ class Process:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            warn_orphans(f"after {self.name} stopped", wait_s=10)
         self.log.close()
 
 
@@ -357,6 +376,7 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
     the sides of the comparison (each speculative tandem also as <name>_plain: the same server, `num_speculative_tokens: 0`);
     a tandem side is called `via` its replica's own port ("direct") or Serve's proxy ("proxy")."""
     procs, servers = [], []
+    warn_orphans("before the servers start")
     try:
         for i, side in enumerate(which):
             name, bind = split_bind(side, vllm_bind)

@@ -35,7 +35,7 @@ import httpx
 
 from cluster.core.workloads import PEER_CHAT_PROMPTS
 from cluster.model import models
-from tools.peer_bench import Process, openmp_env, server_argv, server_env
+from tools.peer_bench import Process, openmp_env, server_argv, server_env, warn_orphans
 
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -122,6 +122,7 @@ def ab(out_dir: str, runs: list[str], config: str, bind: str, port: int = 8300, 
     """Each of `runs` started alone, read (idle, one stream, 16 streams) and stopped; see the module docstring."""
     model_dir = str(models.resolve_model_path("default"))
     os.makedirs(out_dir, exist_ok=True)
+    warn_orphans("before the first server starts")
     for n, run in enumerate(runs, 1):
         name, _, extra = run.partition(":")
         settings = dict(kv.split("=", 1) for kv in extra.split(",") if kv)

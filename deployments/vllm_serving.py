@@ -173,7 +173,7 @@ class TandemLLMServer(_server_base()):
         with engine_processes_on_intel_openmp(config.vllm.intel_openmp and config.verifier.placement.num_gpus == 0):
             await super().__init__(llm_config, **kwargs)
         # a replica Ray kills (a shutdown past its timeout, ray.kill, the OOM killer) takes its engine with it
-        self.reaper = reaper.watch(reaper.named_children(os.getpid(), reaper.ENGINE_CORE))
+        self.reaper = reaper.watch_engine()
         if self.tandem_proposer:
             tuning = {k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first", "max_k")}
             if self.drafter is not None:
@@ -353,7 +353,7 @@ class TandemLLMServer(_server_base()):
     def processes(self) -> dict:
         """This replica's pid, its vLLM engine core's and the pid of the reaper that stops the engine if the replica
         is killed (`cluster.vllm.reaper`)."""
-        return {"replica": os.getpid(), "engine": reaper.named_children(os.getpid(), reaper.ENGINE_CORE),
+        return {"replica": os.getpid(), "engine": reaper.engine_cores(),
                 "reaper": self.reaper.pid if self.reaper else None}
 
     async def check_health(self) -> None:

@@ -513,6 +513,13 @@ def test_the_ingress_replica_answers_at_its_own_port(server, prompt_ids, referen
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == _ref(references, prompt_ids, i)
 
 
+def _environ(pid: int, names) -> dict[str, str]:
+    """The values of `names` in process `pid`'s environment ("" where unset)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return {k: env.get(k.encode(), b"").decode() for k in names}
+
+
 def test_serve_processes_run_with_the_shipped_serve_settings(server):
     """`SERVE_THROUGHPUT_ENV` (the throughput mode, the controller's 1 s loop) is in the environment of the
     processes that read it: Serve's controller, its proxy and the replicas of this application."""
@@ -526,25 +533,19 @@ def test_serve_processes_run_with_the_shipped_serve_settings(server):
     kinds = {a["ActorClassName"].split(":")[0] for a in serve_actors}
     assert kinds == {"ServeController", "ProxyActor", "ServeReplica"}, kinds
     for actor in serve_actors:
-        with open(f"/proc/{actor['Pid']}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        seen = {k: env.get(k.encode(), b"").decode() for k in SERVE_THROUGHPUT_ENV}
+        seen = _environ(actor["Pid"], SERVE_THROUGHPUT_ENV)
         assert seen == SERVE_THROUGHPUT_ENV, (actor["ActorClassName"], seen)
 
 
 def test_a_ray_on_one_machine_keeps_no_idle_workers_waiting(server):
     """`LOCAL_RAY_ENV`: the raylet of a Ray on this machine alone prestarts no Python workers, so no `ray::IDLE`
     process waits beside the server's actors (each polled ~0.6% of a core on a 2-core machine)."""
-    import ray
-
     from cluster.ray.runtime import LOCAL_RAY_ENV
     from cluster.vllm import reaper
 
     node = ray._private.worker._global_node
     raylet = node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-    with open(f"/proc/{raylet}/environ", "rb") as f:
-        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    assert {k: env.get(k.encode(), b"").decode() for k in LOCAL_RAY_ENV} == LOCAL_RAY_ENV
+    assert _environ(raylet, LOCAL_RAY_ENV) == LOCAL_RAY_ENV
     workers = reaper.children_of(raylet)
     titles = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode() for pid in workers]
     assert any(t.startswith("ray::ServeReplica") for t in titles), titles  # the raylet's workers, found

@@ -129,14 +129,19 @@ LOCAL_SERVE_ENV = {**SERVE_THROUGHPUT_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1
 LOCAL_RAY_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 
 
+def _environment_kept(defaults: dict[str, str]) -> dict[str, str]:
+    """`defaults`, with any of its variables already set in this process's environment kept (the operator's)."""
+    return {k: os.environ.get(k, v) for k, v in defaults.items()}
+
+
 def local_ray_environment() -> dict[str, str]:
-    return {k: os.environ.get(k, v) for k, v in LOCAL_RAY_ENV.items()}
+    return _environment_kept(LOCAL_RAY_ENV)
 
 
 def serve_environment(local: bool = False) -> dict[str, str]:
     """`SERVE_THROUGHPUT_ENV` (`LOCAL_SERVE_ENV` for a Ray on this machine alone), with any of its variables
     already set in this process's environment kept."""
-    return {k: os.environ.get(k, v) for k, v in (LOCAL_SERVE_ENV if local else SERVE_THROUGHPUT_ENV).items()}
+    return _environment_kept(LOCAL_SERVE_ENV if local else SERVE_THROUGHPUT_ENV)
 
 
 # A single-machine Ray's processes reach nothing but loopback. Ray's dashboard asks the cloud metadata

@@ -180,7 +180,7 @@ class VLLMEngine:
         with engine_processes_on_intel_openmp(not torch.cuda.is_available()):  # cluster.vllm.openmp
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
-        self.reaper = reaper.watch(reaper.named_children(os.getpid(), reaper.ENGINE_CORE))  # no orphan if this process is killed
+        self.reaper = reaper.watch_engine()  # no orphan if this process is killed
         self.fix = self.llm.collective_rpc("tandem_fix_rejection_sampler")[0]  # in every worker, before any request
         self.drafter_spec = None
         if method == "tandem" and drafter is not None:

@@ -31,15 +31,20 @@ TERM_WAIT_S = 5.0  # SIGTERM, then this long for the engine's own shutdown, then
 PROC = Path("/proc")
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or None when no
-    such process runs (a zombie counts as ended)."""
+def _stat(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields from the state on (field 3: the state, 4: the parent, 22: the start time), or None."""
     try:
         stat = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    return stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ", whatever comm holds
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None when no such process runs (a zombie counts
+    as ended)."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def alive(pid: int, started: int | None) -> bool:
@@ -48,16 +53,8 @@ def alive(pid: int, started: int | None) -> bool:
 
 def children_of(pid: int) -> list[int]:
     """The pids whose parent is `pid`."""
-    found = []
-    for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
+    return [int(entry.name) for entry in PROC.iterdir()
+            if entry.name.isdigit() and (fields := _stat(entry.name)) is not None and int(fields[1]) == pid]
 
 
 def named_children(pid: int, prefix: str) -> list[int]:
@@ -72,6 +69,11 @@ def named_children(pid: int, prefix: str) -> list[int]:
         if cmdline.startswith(prefix):
             out.append(child)
     return out
+
+
+def engine_cores() -> list[int]:
+    """This process's vLLM engine core processes."""
+    return named_children(os.getpid(), ENGINE_CORE)
 
 
 def descendants(pid: int) -> list[int]:
@@ -121,11 +123,10 @@ def reap_when_parent_ends(parent: int, parent_started: int, watched: dict[int, i
 
 def watch(children: Iterable[int], what: str = "vLLM engine") -> subprocess.Popen | None:
     """Start the reaper for `children` of this process (see the module docstring); None where /proc is not."""
-    pids = {pid: start_time(pid) for pid in children}
-    pids = {pid: s for pid, s in pids.items() if s is not None}
     if not PROC.is_dir():
         log.warning("no reaper for the %s (no /proc): it may outlive this process if this process is killed", what)
         return None
+    pids = {pid: s for pid in children if (s := start_time(pid)) is not None}
     if not pids:  # e.g. vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): nothing can outlive it
         log.info("no reaper for the %s: no process of its own", what)
         return None
@@ -137,6 +138,11 @@ def watch(children: Iterable[int], what: str = "vLLM engine") -> subprocess.Pope
     log.info("the %s's processes %s are reaped if this process (%d) ends without stopping them (reaper %d)",
              what, sorted(pids), os.getpid(), proc.pid)
     return proc
+
+
+def watch_engine(what: str = "vLLM engine") -> subprocess.Popen | None:
+    """`watch` this process's vLLM engine cores: called once its engine has started."""
+    return watch(engine_cores(), what)
 
 
 def _root() -> str:

@@ -81,7 +81,7 @@ class VllmEngine:
                             max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                             enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         # no orphaned engine if this generator is killed (it runs for hours in the background)
-        self.reaper = reaper.watch(reaper.named_children(os.getpid(), reaper.ENGINE_CORE), "draft-data vLLM engine")
+        self.reaper = reaper.watch_engine("draft-data vLLM engine")
         log.warning("ENGINE: vLLM %s (%s, max_model_len %d, OMP bind %s) started in %.0f s",
                     vllm.__version__, dtype, max_model_len, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                     time.perf_counter() - t0)

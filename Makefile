@@ -12,7 +12,7 @@ export VLLM_HOST_IP = 127.0.0.1
 PROMPT ?= Write a Python function that checks whether a number is prime.
 CONFIG ?= ray_config.yaml
 
-.PHONY: setup models run generate test bench clean
+.PHONY: setup models run generate test bench peer-extras clean
 
 $(BIN)/tandem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ $(BIN)/tandem: pyproject.toml
 	touch $@
 
 setup: $(BIN)/tandem
+
+# vLLM's own `suffix` method (the peer bench's `vllm_suffix` side) needs Snowflake's Arctic Inference: built from its
+# sdist here (its suffix tree is C++ only; its vLLM plugin stays off unless ARCTIC_INFERENCE_ENABLED is set)
+peer-extras: setup
+	$(BIN)/pip install --quiet cmake ninja nanobind==2.9.2
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(BIN))/python" \
+		$(BIN)/pip install --quiet --no-deps --no-build-isolation arctic-inference==0.3.0
 
 models: setup
 	$(BIN)/tandem models prepare

@@ -271,6 +271,22 @@ def test_vllm_alone_sides_and_their_speculative_configs():
     assert server_argv("vllm_sync", "/m", "ray_config.yaml", "bfloat16", 2048, 8100) == plain + ["--no-async-scheduling"]
 
 
+def test_vllm_suffix_sides_need_arctic_inference_and_say_so(monkeypatch):
+    import importlib.util
+
+    from tools.peer_bench import server_argv, vllm_spec
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "arctic_inference" else real(name, *a))
+    with pytest.raises(SystemExit, match="make peer-extras"):  # before any server starts
+        vllm_spec("vllm_suffix")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "arctic_inference" else real(name, *a))
+    assert vllm_spec("vllm_suffix") == {"method": "suffix"}  # vLLM's defaults, its global cache of responses on
+    assert vllm_spec("vllm_suffix_own") == {"method": "suffix", "suffix_decoding_max_cached_requests": 0}
+    argv = server_argv("vllm_suffix_own", "/m", "ray_config.yaml", "bfloat16", 2048, 8100)
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["suffix_decoding_max_cached_requests"] == 0
+
+
 def test_a_tandem_side_is_called_at_the_replica_address_tandem_serve_printed(tmp_path):
     """`tandem serve` prints its first replica's own address (Serve's direct ingress); the bench calls a tandem
     side there unless told "proxy", and a server that printed none (vLLM alone) at its own URL."""

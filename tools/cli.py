@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                             "streams; --concurrency 1,16 (default here), --prompts per workload")
     bench.add_argument("--peer-servers", default="vllm,vllm_ngram,tandem",
                        help="with --peer: which servers to start (vllm, vllm_ngram, vllm_eagle3[_sched], vllm_sync: vLLM "
-                            "alone with async scheduling off; tandem: --peer-config as it is; "
+                            "alone with async scheduling off; vllm_suffix[_own]: vLLM's suffix method, `make peer-extras`; tandem: --peer-config as it is; "
                             "tandem_<engine>[_<proposer>], e.g. tandem_torch, tandem_vllm_ngram: with `tandem serve "
                             "--engine E --proposer P`), then engine fields as +FIELD=VALUE (`tandem serve --set`, e.g. "
                             "tandem_torch_hybrid+draft=eagle3); a side may end in @BIND, its own "

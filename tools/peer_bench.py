@@ -46,13 +46,21 @@ PLAIN = {"num_speculative_tokens": 0}  # tandem's plain decoding, on the same se
 # (`deployments.config.EAGLE3_SCHEDULE`)
 # "vllm_sync": vLLM alone with its async scheduling off, as vLLM turns it off for any `custom_class` proposer
 # (tandem's): what that costs plain decoding, with no tandem process on the path
-VLLM_SIDES = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_eagle3_sched", "vllm_sync")
+# "vllm_suffix": vLLM's own `suffix` method (Arctic Inference's suffix decoding, `make peer-extras`) at vLLM's defaults:
+# per-request trees over prompt and output, plus a global tree of earlier responses (which recalls the answers of
+# prompts the bench sent before: the 16-stream batches repeat prompts); "vllm_suffix_own": the same without that
+# global cache (`suffix_decoding_max_cached_requests: 0`), the matches tandem's default makes (a session's own tokens)
+SUFFIX_SPEC = {"method": "suffix"}
+VLLM_SIDES = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_eagle3_sched", "vllm_sync", "vllm_suffix", "vllm_suffix_own")
 
 
 def vllm_spec(name: str) -> dict | None:
     """The speculative config of a vLLM-alone side (None: plain)."""
     if name == "vllm_ngram":
         return NGRAM_SPEC
+    if name.startswith("vllm_suffix"):
+        _require_arctic_inference()
+        return {**SUFFIX_SPEC, "suffix_decoding_max_cached_requests": 0} if name.endswith("_own") else SUFFIX_SPEC
     if name.startswith("vllm_eagle3"):
         from cluster.vllm.engine import checked_eagle3_dir
 
@@ -61,6 +69,14 @@ def vllm_spec(name: str) -> dict | None:
         schedule = VLLMServingConfig().schedule_for("eagle3")  # what tandem's `speculative_schedule: auto` gives it
         return {**spec, "num_speculative_tokens_per_batch_size": schedule} if name.endswith("_sched") else spec
     return None
+
+
+def _require_arctic_inference() -> None:
+    """vLLM's suffix method imports Arctic Inference in its worker: fail here, before any server starts."""
+    import importlib.util
+
+    if importlib.util.find_spec("arctic_inference") is None:
+        raise SystemExit("the vllm_suffix sides need Arctic Inference (vLLM's suffix method): run `make peer-extras`")
 
 
 @dataclass(frozen=True)
@@ -309,7 +325,7 @@ def tandem_flags(name: str) -> list[str]:
             raise ValueError(f"unknown server {name!r}: after + an engine field as FIELD=VALUE, not {item!r}")
     head, *parts = name.split("_")
     if head != "tandem" or len(parts) > 2:
-        raise ValueError(f"unknown server {name!r}: vllm, vllm_ngram or tandem[_{'|'.join(TANDEM_ENGINES)}]"
+        raise ValueError(f"unknown server {name!r}: one of {', '.join(VLLM_SIDES)} or tandem[_{'|'.join(TANDEM_ENGINES)}]"
                          f"[_{'|'.join(TANDEM_PROPOSERS)}]")
     flags = []
     if parts and parts[0] in TANDEM_ENGINES:

@@ -7,6 +7,7 @@ session loop's own long match rounds (no drafter call).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -158,13 +159,17 @@ class PricedMatch:
         draft, match = suffix_match(tokens, tokens, k, self.max_ngram, 1, self.max_match)
         if not match:
             return [], 0
+        return self.cut(draft, match, rows), match
+
+    def cut(self, draft: list[int], match: int, rows: int = 1) -> list[int]:
+        """`draft` (a match of length `match` continued) up to its last token that still pays at `rows` rows."""
         m, price, p, n = min(match, self.max_match), self.price(rows), 1.0, 0
         for j in range(len(draft)):
             p *= self.q(m, j)
             if p < price:
                 break
             n = j + 1
-        return draft[:n], match
+        return draft[:n]
 
     def learn(self, match: int, drafted: int, accepted: int) -> None:
         """A verdict: of `drafted` tokens drafted after a match of length `match`, the first `accepted`
@@ -176,3 +181,99 @@ class PricedMatch:
         for j in range(min(accepted + 1, drafted, self.max_tokens)):
             trials[j] = trials[j] * keep + 1.0
             hits[j] = hits[j] * keep + (1.0 if j < accepted else 0.0)
+
+
+class SuffixPool:
+    """Other sessions' finished outputs, where a session's own tokens match nothing as long: the longest match
+    of its last tokens in what earlier sessions wrote, and what followed it there (SuffixDecoding's global
+    tree of responses, kept as a bounded pool). Outputs are indexed by their `ngram`-token n-grams (a match
+    starts from one), newest first; the oldest leave once the pool holds more than `max_tokens` tokens. Like
+    every match the drafts depend only on committed tokens; the caller keeps them from a seeded sampled request
+    whose seed made a pooled output (tandem's proposer uses the pool for greedy and unseeded requests only)."""
+
+    def __init__(self, max_tokens: int = 65536, ngram: int = 3, max_match: int = 16, max_candidates: int = 64):
+        if not (max_tokens > 0 and max_match >= ngram >= 1 and max_candidates >= 1):
+            raise ValueError("SuffixPool needs max_tokens > 0, max_match >= ngram >= 1 and max_candidates >= 1")
+        self.max_tokens, self.ngram, self.max_match, self.max_candidates = max_tokens, ngram, max_match, max_candidates
+        self._outputs: dict[int, list[int]] = {}  # by age, oldest first
+        self._index: dict[tuple[int, ...], deque[tuple[int, int]]] = {}  # n-gram -> (output, start), oldest first
+        self._next = 0
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def add(self, output: Sequence[int]) -> None:
+        """A finished session's output joins the pool (one too short to hold an n-gram and its next token is left out)."""
+        n = self.ngram
+        if len(output) <= n:
+            return
+        key, tokens = self._next, list(output[-self.max_tokens:])
+        self._next += 1
+        self._outputs[key] = tokens
+        for start in range(len(tokens) - n):  # a token follows each
+            self._index.setdefault(tuple(tokens[start:start + n]), deque()).append((key, start))
+        self.tokens += len(tokens)
+        while self.tokens > self.max_tokens:
+            self._evict()
+
+    def _evict(self) -> None:
+        key, tokens = next(iter(self._outputs.items()))
+        del self._outputs[key]
+        self.tokens -= len(tokens)
+        n = self.ngram
+        for start in range(len(tokens) - n):
+            gram = tuple(tokens[start:start + n])
+            spots = self._index[gram]
+            while spots and spots[0][0] == key:  # the oldest output's entries lead every deque
+                spots.popleft()
+            if not spots:
+                del self._index[gram]
+
+    def match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """(up to `k` tokens that followed the longest match of `tokens`' suffix in the pool, the match's length,
+        extended back up to `max_match`); the newest output on ties; ([], 0) when the last n-gram is not there."""
+        n, length = self.ngram, len(tokens)
+        if k <= 0 or length < n:
+            return [], 0
+        spots = self._index.get(tuple(tokens[length - n:]))
+        if not spots:
+            return [], 0
+        best, best_len = None, 0
+        for i in range(len(spots) - 1, max(-1, len(spots) - 1 - self.max_candidates), -1):  # newest first
+            key, start = spots[i]
+            seq, match = self._outputs[key], n
+            while (match < self.max_match and start - 1 - (match - n) >= 0 and length - 1 - match >= 0
+                   and seq[start - 1 - (match - n)] == tokens[length - 1 - match]):
+                match += 1
+            if match > best_len:
+                best, best_len = (seq, start), match
+                if match >= self.max_match:
+                    break
+        seq, start = best
+        return list(seq[start + n:start + n + k]), best_len
+
+
+class PooledPricedMatch:
+    """`PricedMatch` over a session's own tokens, and where the pool (`SuffixPool`) holds a longer match, the
+    pool's continuation, priced by a table of its own (another session's text goes on differently from a
+    session's own repeats). `propose` -> (draft, match, pooled); `learn` takes `pooled` back."""
+
+    def __init__(self, own: PricedMatch, pool: SuffixPool):
+        self.own, self.pool = own, pool
+        self.pooled = PricedMatch(own.max_tokens, pool.max_match, min(own.max_ngram, pool.ngram), own.threshold,
+                                  own.per_row, own.weight)
+
+    def propose(self, tokens: Sequence[int], limit: int, rows: int = 1, use_pool: bool = True
+                ) -> tuple[list[int], int, bool]:
+        draft, match = self.own.propose(tokens, limit, rows)
+        k = min(limit, self.own.max_tokens)
+        if not use_pool or k <= 0 or match >= self.pool.max_match:
+            return draft, match, False
+        pooled, pool_match = self.pool.match(tokens, k)
+        if pool_match <= match:
+            return draft, match, False
+        return self.pooled.cut(pooled, pool_match, rows), pool_match, True
+
+    def learn(self, match: int, drafted: int, accepted: int, pooled: bool = False) -> None:
+        (self.pooled if pooled else self.own).learn(match, drafted, accepted)

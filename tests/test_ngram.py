@@ -77,3 +77,37 @@ def test_suffix_proposer_learns_its_own_verdicts():
     assert proposer.priced.q(3, 0) < before  # the verdict reached the table of its match length
     proposer.release("s")
     assert proposer.num_sessions == 0 and proposer._given == {}
+
+
+def test_the_suffix_pool_finds_the_longest_match_in_earlier_outputs_and_forgets_the_oldest():
+    from drafts.suffix import SuffixPool
+
+    pool = SuffixPool(max_tokens=20, ngram=3, max_match=6)
+    pool.add([1, 2, 3, 4, 5, 6, 7])  # "1 2 3" then 4 5 6 7
+    pool.add([9, 2, 3, 4, 8, 8])  # "9 2 3 4" then 8 8: the same 3-gram "2 3 4", a longer match for "9 2 3 4"
+    pool.add([1, 2])  # too short to hold a 3-gram and its next token: left out
+    assert len(pool) == 2 and pool.tokens == 13
+    assert pool.match([7, 9, 2, 3, 4], 5) == ([8, 8], 4)  # the longer match wins, its continuation to its end
+    assert pool.match([0, 1, 2, 3, 4], 2) == ([5, 6], 4)
+    assert pool.match([0, 0, 2, 3, 4], 2) == ([8, 8], 3)  # equal matches: the newest output
+    assert pool.match([5, 5, 5], 3) == ([], 0) and pool.match([2, 3], 3) == ([], 0)
+    pool.add([5, 5, 5, 1, 1, 1, 1, 1, 1])  # 22 tokens: the oldest output leaves, its n-grams with it
+    assert len(pool) == 2 and pool.tokens == 15
+    assert pool.match([0, 1, 2, 3], 2) == ([], 0) and pool.match([0, 2, 3, 4], 2) == ([8, 8], 3)
+    assert pool.match([5, 5, 5], 2) == ([1, 1], 3)
+
+
+def test_pooled_priced_matches_draft_from_the_pool_only_where_it_matches_longer():
+    from drafts.suffix import PooledPricedMatch, PricedMatch, SuffixPool
+
+    pool = SuffixPool(max_tokens=100, ngram=3, max_match=8)
+    pool.add([10, 11, 12, 13, 14, 15, 16, 17])
+    matcher = PooledPricedMatch(PricedMatch(max_tokens=4, max_match=8), pool)
+    draft, match, pooled = matcher.propose([1, 10, 11, 12, 13], 4)  # no match of its own: the pool's
+    assert pooled and match == 4 and draft and draft == [14, 15, 16, 17][:len(draft)]
+    own = [10, 11, 12, 13, 14, 99, 5, 10, 11, 12, 13, 14, 15]  # its own 5-token match beats the pool's
+    assert matcher.propose(own[:-1], 4)[2] is False
+    assert matcher.propose([1, 10, 11, 12, 13], 4, use_pool=False) == ([], 0, False)  # a seeded request
+    q = matcher.pooled.q(4, 0)
+    matcher.learn(4, len(draft), 0, pooled=True)  # the pool's own table learns its verdicts
+    assert matcher.pooled.q(4, 0) < q and matcher.own.q(4, 0) == PricedMatch.prior(4, 0)

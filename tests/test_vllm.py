@@ -580,9 +580,35 @@ def test_priced_inline_matches_learn_from_vllms_verdicts():
     assert len(wide[0]) < len(draft)  # 16 rows: each verified token costs more
 
 
+def test_finished_requests_outputs_draft_for_greedy_and_unseeded_requests():
+    """Proposer suffix's pool on vLLM: a request's output joins the pool when it leaves the batch; a greedy
+    request and an unseeded sampled one whose own tokens match nothing then draft its continuation; a seeded
+    sampled request does not (its seed may have made that output)."""
+    proposer = TandemProposer(None)
+    proposer.k = 8
+    matches = InlineMatches(kind="priced", max_tokens=8, max_match=8, pool_tokens=1000)
+    runner = _Runner(["a"])
+    runner.input_batch.greedy_reqs, runner.input_batch.generators = {"a"}, {}
+    proposer.configure(DrafterSpec(matches=matches), runner, 0)
+    ids = np.zeros((3, 32), dtype=np.int64)
+    ids[0, :12] = [1, 2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]  # prompt of 2, then an output with no repeat
+    proposer.propose([[40]], np.array([3]), ids)  # its first step: prompt length 2
+    assert proposer.propose([[49]], np.array([12]), ids) == [[]]  # its own tokens match nothing
+    runner.input_batch.req_ids, runner.requests = ["b", "c", "d"], dict.fromkeys(["b", "c", "d"])
+    runner.input_batch.greedy_reqs, runner.input_batch.generators = {"b"}, {2: object()}  # d is seeded
+    for row in range(3):
+        ids[row, :5] = [7, 8, 43, 44, 45]
+    out = proposer.propose([[45]] * 3, np.array([5] * 3), ids)  # "a" left the batch: pooled
+    assert proposer.stats["pool_outputs"] == 1 and len(proposer._match.pool) == 1
+    assert out[0] and out[0] == [46, 47, 48, 49][:len(out[0])] and out[1] == out[0]  # b greedy, c unseeded
+    assert out[2] == [] and proposer.stats["pooled_rows"] == 2
+    assert proposer._verdicts["b"][2] is True  # the pool's table hears the verdict
+
+
 def test_inline_matches_of_a_tandem_config():
     suffix = EngineConfig(proposer="suffix", num_speculative_tokens=3, match_tokens=16)
-    assert inline_matches(suffix) == InlineMatches(kind="priced", max_tokens=16)
+    assert inline_matches(suffix) == InlineMatches(kind="priced", max_tokens=16, pool_tokens=65536)
+    assert inline_matches(suffix.model_copy(update={"suffix_pool_tokens": 0})).pool_tokens == 0
     assert engine_draft_tokens(suffix) == 16 and not drafter_spec(suffix).has_drafter
     assert inline_matches(EngineConfig(proposer="ngram", num_speculative_tokens=5, max_ngram=4)) == \
         InlineMatches(kind="lookup", max_tokens=5, max_ngram=4)

@@ -4,8 +4,10 @@
 FILE once: HumanEval 0-39 and the tuning chat prompts, plus the peer bench's prompts, 256 tokens each), then for
 each rule the tokens per verify step and a predicted speedup under a step cost of 1 + v per drafted token
 (v = 0.03 and 0.1 of a step). Rules: tandem's prompt lookup (n 1-3, γ 3), vLLM's `ngram` as its docs
-configure it (4-grams, 5 tokens), and `PricedMatch` (proposer `suffix`) learning online. A model of the
-draft side only: vLLM's own per-step costs are not in it (BENCHMARKS.md compares it with the served bench).
+configure it (4-grams, 5 tokens), `PricedMatch` (proposer `suffix`) learning online, and, where Arctic Inference
+is installed (`make peer-extras`), vLLM's own `suffix` method at its defaults (a request's own suffix tree; then
+with its global tree of the earlier references' outputs too). A model of the draft side only: vLLM's own per-step
+costs are not in it (BENCHMARKS.md compares it with the served bench).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 from cluster.core import workloads
 from cluster.model import models
 from drafts.ngram import ngram_lookup
-from drafts.suffix import PricedMatch
+from drafts.suffix import PooledPricedMatch, PricedMatch, SuffixPool
 
 SETS = ("tune_he", "tune_chat", "peer_he", "peer_chat")
 
@@ -46,11 +48,14 @@ def references(path: str) -> dict:
     return out
 
 
-def replay(refs: list[dict], propose, learn=None, v: float = 0.03) -> dict:
+def replay(refs: list[dict], propose, learn=None, v: float = 0.03, begin=None, end=None) -> dict:
     """Each reference decoded by verify steps: `propose(history, limit)` -> (draft, match) drafts, the target's
-    greedy output decides; `learn(match, drafted, accepted)` hears each verdict."""
+    greedy output decides; `learn(match, drafted, accepted)` hears each verdict; `begin(prompt)` and `end()`
+    bracket each reference (a rule that keeps per-request state)."""
     tokens = accepted = drafted = steps = 0
     for ref in refs:
+        if begin is not None:
+            begin(list(ref["prompt"]))
         history, out = list(ref["prompt"]), ref["out"]
         while len(history) < len(ref["prompt"]) + len(out):
             pos = len(history) - len(ref["prompt"])
@@ -62,6 +67,8 @@ def replay(refs: list[dict], propose, learn=None, v: float = 0.03) -> dict:
                 learn(match, len(draft), a)
             history.extend(out[pos:pos + a + 1])
             tokens, accepted, drafted, steps = tokens + a + 1, accepted + a, drafted + len(draft), steps + 1
+        if end is not None:
+            end()
     cost = steps + v * drafted  # each step 1, plus v per drafted token
     return {"tokens_per_step": tokens / max(steps, 1), "speedup": tokens / max(cost, 1e-9),
             "acceptance": accepted / max(drafted, 1)}
@@ -75,6 +82,75 @@ def rules():
         p = PricedMatch()
         return p.propose, p.learn
     yield "PricedMatch (proposer suffix)", priced
+    yield "PricedMatch + pool (proposer suffix)", lambda: PooledRule().rule()
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401
+    except ImportError:
+        print("(vLLM's suffix method left out: Arctic Inference is not installed; `make peer-extras`)")
+        return
+    yield "vLLM suffix, own tree", lambda: VLLMSuffix(global_cache=False).rule()
+    yield "vLLM suffix, + global tree", lambda: VLLMSuffix(global_cache=True).rule()
+
+
+class PooledRule:
+    """Proposer `suffix` with its pool of earlier sessions' outputs (`drafts.suffix.PooledPricedMatch`): each
+    finished reference's output joins the pool for the next ones, as a finished request's does in the proposer."""
+
+    def __init__(self):
+        self.match = PooledPricedMatch(PricedMatch(), SuffixPool())
+        self.prompt, self.history = 0, []
+        self.last_pooled = False
+
+    def begin(self, prompt: list[int]) -> None:
+        self.prompt, self.history = len(prompt), prompt
+
+    def end(self) -> None:
+        self.match.pool.add(self.history[self.prompt:])
+
+    def propose(self, history: list[int], limit: int) -> tuple[list[int], int]:
+        self.history = history
+        draft, match, self.last_pooled = self.match.propose(history, limit)
+        return draft, match
+
+    def learn(self, match: int, drafted: int, accepted: int) -> None:
+        self.match.learn(match, drafted, accepted, self.last_pooled)
+
+    def rule(self):
+        return self.propose, self.learn, self.begin, self.end
+
+
+class VLLMSuffix:
+    """vLLM's `suffix` method as its proposer drives Arctic Inference (`vllm/v1/spec_decode/suffix_decoding.py`, its
+    defaults: trees 24 deep, up to 24 tokens, spec factor 1, tokens below probability 0.1 cut): the request's
+    prompt starts its tree, each step's committed tokens are added, the last 24 tokens are matched. With the
+    global tree, each finished reference's output is kept for the next ones (vLLM keeps 10,000)."""
+
+    DEPTH, MIN_PROB = 24, 0.1
+
+    def __init__(self, global_cache: bool):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=self.DEPTH, max_cached_requests=10000 if global_cache else 0)
+        self.request, self.seen, self.count = None, 0, 0
+
+    def begin(self, prompt: list[int]) -> None:
+        self.count += 1
+        self.request, self.seen = f"r{self.count}", len(prompt)
+        self.cache.start_request(self.request, prompt)
+
+    def end(self) -> None:
+        self.cache.stop_request(self.request)
+
+    def propose(self, history: list[int], limit: int) -> tuple[list[int], int]:
+        if len(history) > self.seen:
+            self.cache.add_active_response(self.request, history[self.seen:])
+            self.seen = len(history)
+        draft = self.cache.speculate(self.request, history[-self.DEPTH:], max_spec_tokens=min(self.DEPTH, limit),
+                                     max_spec_factor=1.0, min_token_prob=self.MIN_PROB)
+        return list(draft.token_ids), draft.match_len
+
+    def rule(self):
+        return self.propose, None, self.begin, self.end
 
 
 def main(argv=None) -> None:
@@ -88,8 +164,8 @@ def main(argv=None) -> None:
         for name, make in rules():
             cells = []
             for s in SETS:
-                propose, learn = make()
-                r = replay(refs[s], propose, learn, v)
+                propose, learn, *bracket = make()
+                r = replay(refs[s], propose, learn, v, *bracket)
                 cells.append(f"{r['speedup']:.2f}x ({r['tokens_per_step']:.2f})")
             print(f"{name:32s}" + "".join(f"{c:>18s}" for c in cells))
 

@@ -47,7 +47,7 @@ from cluster.vllm.client import DraftClient, make_client
 from cluster.vllm.patch import fix_rejection_sampler, fix_state
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RequestKey
 from drafts.ngram import ngram_lookup
-from drafts.suffix import OwnMatch, PricedMatch
+from drafts.suffix import OwnMatch, PooledPricedMatch, PricedMatch, SuffixPool
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class TandemProposer:
         self.sessions: dict[str, _Session] = {}
         self._drafter_part: dict | None = None
         self._match: _Inline | None = None  # the inline matches of `spec.matches` (None: none)
-        self._verdicts: dict[str, tuple[int, int]] = {}  # key -> (match, tokens) of the inline draft last given
+        self._verdicts: dict[str, tuple[int, int, bool]] = {}  # key -> (match, tokens, pooled) of the inline draft last given
+        self._outputs: dict[str, tuple[int, list[int]]] = {}  # key -> (prompt length, committed tokens) for the pool
         self.stats: Counter = Counter()
         self._lock = threading.Lock()
 
@@ -104,6 +105,7 @@ class TandemProposer:
         self.max_k = self.k if spec.max_k is None else min(self.k, spec.max_k)
         self._match = _Inline(spec.matches) if rank == 0 and spec.matches is not None else None
         self._verdicts.clear()
+        self._outputs.clear()
         self.stats = Counter()
         if not keep:
             self.client = make_client(spec) if rank == 0 else None
@@ -149,6 +151,20 @@ class TandemProposer:
         req_ids = self.runner.input_batch.req_ids
         self._deadline = time.monotonic() + self.spec.wait_s  # one bound for the whole step, however many rows
         active = sum(1 for t in sampled_token_ids if t)  # the step's decoding rows (what a verified token costs)
+        # requests gone since the last step (finished or aborted): released, their outputs pooled first
+        live = getattr(self.runner, "requests", None)
+        if live is not None:
+            live = {self._key(r) for r in live}
+            for key in [k for k in self._verdicts if k not in live]:
+                del self._verdicts[key]
+            for key in [k for k in self._outputs if k not in live]:  # finished or aborted: its output is pooled
+                prompt, history = self._outputs.pop(key)
+                self._match.pool.add(history[prompt:])
+                self.stats["pool_outputs"] += 1
+            for session in [s for s in self.sessions if s not in live]:  # finished or aborted
+                if self.sessions.pop(session).started and not self.spec.registered:
+                    self.client.release(session)  # a registered session is released by its front door
+                self.stats["released"] += 1
         out: list[list[int]] = []
         for i in range(rows):
             if not sampled_token_ids[i]:  # a partial prefill or a discarded row: nothing committed
@@ -174,12 +190,16 @@ class TandemProposer:
                 given = self._verdicts.pop(key, None)
                 if given is not None:  # the verdict on the inline draft given at this request's last step
                     accepted = max(0, min(given[1], num_new - 1))
-                    self._match.learn(given[0], given[1], accepted)
+                    self._match.learn(given[0], given[1], accepted, given[2])
                     self.stats["inline_verdicts"] += 1
                     self.stats["inline_verdict_accepted"] += accepted
-                draft, match = self._match.propose(history, limit, active)
+                if self._match.pool is not None:  # the request's output joins the pool when it ends
+                    self._outputs[key] = (self._outputs[key][0] if key in self._outputs else len(history) - num_new,
+                                          history)
+                draft, match, pooled = self._match.propose(history, limit, active, self._may_pool(req_ids[i], i))
                 if draft:
-                    self._verdicts[key] = (match, len(draft))
+                    self._verdicts[key] = (match, len(draft), pooled)
+                    self.stats["pooled_rows"] += int(pooled)
             if draft:  # drafted here: the drafter's session (if any) learns the verdict as a resync
                 self.stats["matched_rows"] += 1
                 self.stats["matched_tokens"] += len(draft)
@@ -193,16 +213,17 @@ class TandemProposer:
             else:
                 self.stats["empty_rows"] += 1
             out.append(draft)
-        live = getattr(self.runner, "requests", None)
-        if live is not None:
-            live = {self._key(r) for r in live}
-            for key in [k for k in self._verdicts if k not in live]:
-                del self._verdicts[key]
-            for session in [s for s in self.sessions if s not in live]:  # finished or aborted
-                if self.sessions.pop(session).started and not self.spec.registered:
-                    self.client.release(session)  # a registered session is released by its front door
-                self.stats["released"] += 1
         return out
+
+    def _may_pool(self, rid: str, row: int) -> bool:
+        """Whether row `row` (vLLM's request `rid`) may take another request's output as its draft: a greedy one,
+        or a sampled one without a seed. A seeded request's random numbers could be those that made a pooled
+        output (the same seed), and a draft must not depend on them; its own tokens' matches stay."""
+        batch = self.runner.input_batch
+        greedy, seeded = getattr(batch, "greedy_reqs", None), getattr(batch, "generators", None)
+        if greedy is None or seeded is None:  # a runner that does not say: no pooled drafts
+            return False
+        return rid in greedy or row not in seeded
 
     def _key(self, rid: str) -> str:
         """The drafter's session for vLLM's internal request id: with `registered`, the id the front
@@ -317,24 +338,32 @@ class TandemProposer:
 
 
 class _Inline:
-    """The inline matches of an `InlineMatches`: `propose(history, limit, rows)` -> (draft, match length),
-    `learn(match, drafted, accepted)` (only priced matches learn)."""
+    """The inline matches of an `InlineMatches`: `propose(history, limit, rows, use_pool)` -> (draft, match
+    length, pooled), `learn(match, drafted, accepted, pooled)` (only priced matches learn); priced matches with
+    `pool_tokens` also draw on the pool of finished requests' outputs (`pool`)."""
 
     def __init__(self, matches: InlineMatches):
         self.matches = matches
         self.priced = PricedMatch(matches.max_tokens, matches.max_match, matches.max_ngram, matches.threshold,
                                   matches.per_row) if matches.kind == "priced" else None
         self.own = OwnMatch(matches.max_tokens, matches.min_match, matches.max_ngram) if matches.kind == "own" else None
+        self.pool = SuffixPool(matches.pool_tokens, matches.max_ngram, matches.max_match) \
+            if self.priced is not None and matches.pool_tokens else None
+        self.pooled = PooledPricedMatch(self.priced, self.pool) if self.pool is not None else None
 
-    def propose(self, history: list[int], limit: int, rows: int) -> tuple[list[int], int]:
+    def propose(self, history: list[int], limit: int, rows: int, use_pool: bool = False) -> tuple[list[int], int, bool]:
+        if self.pooled is not None:
+            return self.pooled.propose(history, limit, rows, use_pool)
         if self.priced is not None:
-            return self.priced.propose(history, limit, rows)
+            return *self.priced.propose(history, limit, rows), False
         if self.own is not None:
-            return self.own.propose(history, limit), 0
-        return ngram_lookup(history, min(limit, self.matches.max_tokens), self.matches.max_ngram), 0
+            return self.own.propose(history, limit), 0, False
+        return ngram_lookup(history, min(limit, self.matches.max_tokens), self.matches.max_ngram), 0, False
 
-    def learn(self, match: int, drafted: int, accepted: int) -> None:
-        if self.priced is not None:
+    def learn(self, match: int, drafted: int, accepted: int, pooled: bool = False) -> None:
+        if self.pooled is not None:
+            self.pooled.learn(match, drafted, accepted, pooled)
+        elif self.priced is not None:
             self.priced.learn(match, drafted, accepted)
 
 

@@ -146,6 +146,33 @@ def test_compare_against_a_fake_peer():
     assert sum("num_speculative_tokens" in b for b in sent) == len(sent) // 2  # only tandem_plain's requests
 
 
+def test_a_fresh_run_never_sends_a_server_the_same_prompt_twice():
+    """`--peer-fresh`: the warm-up, the one-stream prompts and each N-stream batch take prompts of their own, so a
+    server that keeps earlier outputs (vLLM's suffix method, tandem's pool) has no answer to recall."""
+    from tools.peer_bench import fresh_prompts_needed
+
+    assert fresh_prompts_needed(2, (1, 4), 2) == 2 + 8 + 1 and fresh_prompts_needed(6, (16,), 2) == 33
+    prompts = [f"p{i}" for i in range(fresh_prompts_needed(2, (1, 4), 2))]
+    peer = FakeOpenAIServer()
+    try:
+        servers = [Server("vllm", peer.url, "m"), Server("tandem", peer.url, "m", {"num_speculative_tokens": 0})]
+        with httpx.Client(timeout=30) as client:
+            report = compare(servers, {"humaneval": (prompts, False)}, 3, (1, 4), repeats=2, client=client,
+                             fresh_one_stream=2)
+            with pytest.raises(ValueError, match="fewer than the 11"):
+                compare(servers, {"humaneval": (prompts[:10], False)}, 3, (1, 4), repeats=2, client=client,
+                        fresh_one_stream=2)
+    finally:
+        peer.close()
+    assert report["workloads"]["humaneval"]["4"]["vllm"]["requests"] == 8
+    for extra in ({}, {"num_speculative_tokens": 0}):  # each server: every prompt once
+        sent = [b["prompt"] for b in peer.bodies if b.get("num_speculative_tokens", None) == extra.get(
+            "num_speculative_tokens", None) and b["max_tokens"] in (3, 4)][:11]
+        assert sorted(sent, key=lambda p: int(p[1:])) == prompts
+    warm = [b["prompt"] for b in peer.bodies if b["max_tokens"] == 4]
+    assert warm == [prompts[-1]] * 2  # the warm-up's prompt is measured nowhere
+
+
 def test_servers_measured_alone_are_merged_side_by_side():
     """`--peer-alone`: one `compare` per server (each up alone); the merged rows carry ratios and output
     equality over the first server again, across the runs."""

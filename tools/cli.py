@@ -14,7 +14,7 @@ from deployments.cli import run_command
 from tools.bench import format_report, run_bench, write_json
 from tools.bench_distributed import format_distributed, run_distributed_bench
 from tools.loadgen import format_endpoint_report, run_endpoint_bench
-from tools.peer_bench import compare, merge_alone, split_bind, start_servers
+from tools.peer_bench import compare, fresh_prompts_needed, merge_alone, split_bind, start_servers
 from tools.peer_bench import format_report as format_peer_report
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --peer: call each tandem server at its replica's own port, as `tandem serve` prints "
                             "it (direct: Serve's direct ingress on one machine), or through Serve's proxy")
     bench.add_argument("--peer-repeats", type=int, default=2, help="with --peer: batches per server at N streams")
+    bench.add_argument("--peer-fresh", action="store_true",
+                       help="with --peer: no server gets a prompt twice (each N-stream batch its own prompts, chat going on "
+                            "into the tuning chat prompts): servers that keep earlier outputs (vLLM's suffix method, "
+                            "tandem's pool) cannot recall an answer; without it the N-stream batches repeat --prompts")
     bench.add_argument("--peer-port", type=int, default=8100, help="with --peer: first port (each server +10)")
     bench.add_argument("--peer-logs", default=".", help="with --peer: folder for the servers' logs")
     bench.add_argument("--peer-alone", action="store_true",
@@ -92,8 +96,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _peer(args) -> int:
     names = ["humaneval", "chat"] if args.workload == "all" else [args.workload]
-    workloads = {name: peer_workload(name, args.prompts) for name in names}
     streams = tuple(int(n) for n in (args.concurrency if args.concurrency != "1,4,16" else "1,16").split(",") if n)
+    fresh = fresh_prompts_needed(args.prompts, streams, args.peer_repeats) if args.peer_fresh else None
+    workloads = {name: peer_workload(name, fresh or args.prompts, more=bool(fresh)) for name in names}
     dtype = args.dtype
     model_dir = str(models.resolve_model_path("default", args.cache_dir))
     which = tuple(args.peer_servers.split(","))
@@ -104,12 +109,12 @@ def _peer(args) -> int:
                                        via=args.peer_tandem_via)
         try:
             reports.append(compare(servers, workloads, args.max_tokens, streams, args.peer_repeats,
-                                   reference=servers[0].name))
+                                   reference=servers[0].name, fresh_one_stream=args.prompts if fresh else None))
         finally:
             for proc in procs:
                 proc.stop()
     report = merge_alone(reports, reference=which[0]) if args.peer_alone else reports[0]
-    report.update(dtype=dtype, prompts=args.prompts, cpus=os.cpu_count(),
+    report.update(dtype=dtype, prompts=args.prompts, fresh=bool(fresh), cpus=os.cpu_count(),
                   given={"vllm": f"VLLM_CPU_OMP_THREADS_BIND={args.peer_vllm_bind} (also on tandem's vLLM "
                                  f"replicas), VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')} GiB, "
                                  f"OpenMP {args.peer_vllm_openmp}",

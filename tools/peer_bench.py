@@ -161,13 +161,17 @@ def one_stream(client, servers: list[Server], prompts: list[str], max_tokens: in
 
 
 def many_streams(client, servers: list[Server], prompts: list[str], max_tokens: int, chat: bool,
-                 streams: int, repeats: int, send=request) -> dict[str, list[tuple[float, list[Record]]]]:
+                 streams: int, repeats: int, send=request, fresh: bool = False) -> dict[str, list[tuple[float, list[Record]]]]:
     """`streams` concurrent requests per server, servers in rotated order, `repeats` times:
-    per server, (wall time, records) of each batch."""
+    per server, (wall time, records) of each batch. `fresh`: batch r is prompts[r·streams:(r+1)·streams], so no
+    prompt repeats (else each batch cycles through `prompts`)."""
     out: dict[str, list] = {s.name: [] for s in servers}
-    batch = [prompts[i % len(prompts)] for i in range(streams)]
+    if fresh and len(prompts) < streams * repeats:
+        raise ValueError(f"fresh batches of {streams} streams, {repeats} times, need {streams * repeats} prompts, "
+                         f"not {len(prompts)}")
     with ThreadPoolExecutor(streams) as pool:
         for r in range(repeats):
+            batch = prompts[r * streams:(r + 1) * streams] if fresh else [prompts[i % len(prompts)] for i in range(streams)]
             for server in rotated(servers, r):
                 start = time.perf_counter()
                 records = list(pool.map(lambda a: send(client, server, a[1], max_tokens, chat, a[0]),
@@ -415,10 +419,19 @@ def start_servers(model_dir: str, config: str, dtype: str, max_model_len: int, b
     return procs, servers
 
 
+def fresh_prompts_needed(one_stream: int, streams: tuple[int, ...], repeats: int) -> int:
+    """The prompts a workload needs so that no server sees one twice (`compare(fresh_one_stream=...)`): the
+    one-stream prompts, each N-stream batch its own, and one for the warm-up."""
+    return (one_stream if 1 in streams else 0) + sum(n * repeats for n in streams if n > 1) + 1
+
+
 def compare(servers: list[Server], workloads: dict[str, tuple[list[str], bool]], max_tokens: int,
             streams: tuple[int, ...], repeats: int, reference: str = "vllm", send=request,
-            client: httpx.Client | None = None) -> dict:
-    """The side-by-side figures for running servers (every workload, every stream count)."""
+            client: httpx.Client | None = None, fresh_one_stream: int | None = None) -> dict:
+    """The side-by-side figures for running servers (every workload, every stream count). `fresh_one_stream`:
+    no server gets a prompt twice (a server that keeps earlier outputs, vLLM's suffix method or tandem's pool,
+    would recall the answer): the warm-up takes the last prompt, one stream the first `fresh_one_stream`, and
+    each N-stream batch the next ones (`fresh_prompts_needed`)."""
     own = client is None
     client = client or httpx.Client(timeout=httpx.Timeout(900.0, connect=10.0),
                                     limits=httpx.Limits(max_connections=max(streams) * 2 + 4))
@@ -426,19 +439,28 @@ def compare(servers: list[Server], workloads: dict[str, tuple[list[str], bool]],
                     "workloads": {}}
     try:
         for workload, (prompts, chat) in workloads.items():
+            fresh = fresh_one_stream is not None
+            if fresh and len(prompts) < fresh_prompts_needed(fresh_one_stream, streams, repeats):
+                raise ValueError(f"{workload}: {len(prompts)} prompts, fewer than the "
+                                 f"{fresh_prompts_needed(fresh_one_stream, streams, repeats)} a run without repeats needs")
             for server in servers:  # warm-up, not measured
-                send(client, server, prompts[0], 4, chat, -1)
+                send(client, server, prompts[-1] if fresh else prompts[0], 4, chat, -1)
             rows: dict = {}
+            taken = 0  # fresh: the prompts used so far
             for n in streams:
                 if n == 1:
-                    records = one_stream(client, servers, prompts, max_tokens, chat, send)
+                    ones = prompts[:fresh_one_stream] if fresh else prompts
+                    taken += len(ones) if fresh else 0
+                    records = one_stream(client, servers, ones, max_tokens, chat, send)
                     per = {s.name: summarize([r for r in records if r.server == s.name]) for s in servers}
                     for name, equal in same_outputs(records, reference).items():
                         per[name]["same_output_as_reference"] = equal
                     report.setdefault("outputs", {})[workload] = {
                         s.name: [r.text for r in records if r.server == s.name] for s in servers}
                 else:
-                    batches = many_streams(client, servers, prompts, max_tokens, chat, n, repeats, send)
+                    batch_prompts = prompts[taken:taken + n * repeats] if fresh else prompts
+                    taken += n * repeats if fresh else 0
+                    batches = many_streams(client, servers, batch_prompts, max_tokens, chat, n, repeats, send, fresh)
                     per = {name: summarize([r for _, rs in runs for r in rs], sum(w for w, _ in runs))
                            for name, runs in batches.items()}
                 ref = per.get(reference, {}).get("tokens_per_s")

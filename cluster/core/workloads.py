@@ -73,10 +73,11 @@ def workload(name: str, n: int | None = None) -> tuple[list[str], bool]:
     raise ValueError(f"unknown workload {name!r}; choose humaneval or chat")
 
 
-def peer_workload(name: str, n: int) -> tuple[list[str], bool]:
-    """(prompts, use_chat_template) for the peer bench: prompts other than those tandem is tuned on."""
+def peer_workload(name: str, n: int, more: bool = False) -> tuple[list[str], bool]:
+    """(prompts, use_chat_template) for the peer bench: prompts other than those tandem is tuned on. `more`: chat
+    goes on with the tuning chat prompts after the peer ones (a bench that never repeats a prompt needs more)."""
     if name == "humaneval":
         return humaneval_prompts()[PEER_HUMANEVAL_OFFSET:PEER_HUMANEVAL_OFFSET + n], False
     if name == "chat":
-        return PEER_CHAT_PROMPTS[:n], True
+        return (PEER_CHAT_PROMPTS + (CHAT_PROMPTS if more else []))[:n], True
     raise ValueError(f"unknown workload {name!r}; choose humaneval or chat")

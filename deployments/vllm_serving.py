@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 PROPOSER_STATS_TIMEOUT_S = 5.0  # the proposer-counter RPC made at each health check (metrics only)
 
 PROPOSER_KINDS = ("hits", "misses", "matched_rows", "drafted_rows", "empty_rows", "empty_late", "empty_failed", "drafter_failures",
-                  "proposer_errors")
+                  "proposer_errors", "pooled_rows", "pool_outputs")
 
 
 def llm_config(config: TandemAppConfig):
@@ -190,7 +190,8 @@ class TandemLLMServer(_server_base()):
         self.stats_gate = StatsGate()  # the proposer counters are read only when they can have moved
         self.proposer_rows = metrics.Counter(
             "tandem_vllm_proposer_rows", "vLLM proposer rows by outcome: hits (a draft continued the committed "
-            "tokens), misses, drafted_rows, empty_rows (plain steps) and why (late, failed), drafter failures.",
+            "tokens), misses, drafted_rows, empty_rows (plain steps) and why (late, failed), drafter failures; "
+            "pooled_rows (drafted from finished requests' outputs) and pool_outputs (outputs pooled).",
             ("model", "kind"))
         self.proposer_rows.set_default_tags({"model": llm_config.model_id})
         self._last_stats: dict[str, int] = {}

@@ -121,19 +121,21 @@ class PricedMatch:
     (`weight`) and started from a prior that rises with m. A draft keeps token j while
     q[m][0]·…·q[m][j] (the chance token j is accepted at all, the tokens it adds in expectation)
     stays at or above the price: `threshold` for one row, plus `per_row` for every further row of the
-    step (a fuller batch makes each verified token dearer). Lossless like every match: the drafts
-    depend only on the committed tokens and the learned table, never on the target's output."""
+    step (a fuller batch makes each verified token dearer). `match_factor` (when > 0) also keeps a draft
+    no longer than that many times its match (SuffixDecoding's spec factor: a short match rarely goes on
+    long). Lossless like every match: the drafts depend only on the committed tokens and the learned
+    table, never on the target's output."""
 
     PRIOR_TRIALS = 4.0  # weight of the prior, in verdicts
 
     def __init__(self, max_tokens: int = 16, max_match: int = 16, max_ngram: int = 3, threshold: float = 0.1,
-                 per_row: float = 0.04, weight: float = 0.02):
+                 per_row: float = 0.04, weight: float = 0.02, match_factor: float = 0.0):
         if not (max_tokens >= 1 and max_match >= max_ngram >= 1 and 0 < threshold < 1 and per_row >= 0
-                and 0 < weight < 1):
+                and 0 < weight < 1 and match_factor >= 0):
             raise ValueError("PricedMatch needs max_tokens >= 1, max_match >= max_ngram >= 1, 0 < threshold < 1, "
-                             "per_row >= 0 and 0 < weight < 1")
+                             "per_row >= 0, 0 < weight < 1 and match_factor >= 0")
         self.max_tokens, self.max_match, self.max_ngram = max_tokens, max_match, max_ngram
-        self.threshold, self.per_row, self.weight = threshold, per_row, weight
+        self.threshold, self.per_row, self.weight, self.match_factor = threshold, per_row, weight, match_factor
         self._hits = [[self.prior(m, j) * self.PRIOR_TRIALS for j in range(max_tokens)] for m in range(max_match + 1)]
         self._trials = [[self.PRIOR_TRIALS] * max_tokens for _ in range(max_match + 1)]
 
@@ -162,8 +164,11 @@ class PricedMatch:
         return self.cut(draft, match, rows), match
 
     def cut(self, draft: list[int], match: int, rows: int = 1) -> list[int]:
-        """`draft` (a match of length `match` continued) up to its last token that still pays at `rows` rows."""
+        """`draft` (a match of length `match` continued) up to its last token that still pays at `rows` rows (and
+        within `match_factor` times the match)."""
         m, price, p, n = min(match, self.max_match), self.price(rows), 1.0, 0
+        if self.match_factor > 0:
+            draft = draft[:max(1, int(match * self.match_factor))]
         for j in range(len(draft)):
             p *= self.q(m, j)
             if p < price:
@@ -262,7 +267,7 @@ class PooledPricedMatch:
     def __init__(self, own: PricedMatch, pool: SuffixPool):
         self.own, self.pool = own, pool
         self.pooled = PricedMatch(own.max_tokens, pool.max_match, min(own.max_ngram, pool.ngram), own.threshold,
-                                  own.per_row, own.weight)
+                                  own.per_row, own.weight, own.match_factor)
 
     def propose(self, tokens: Sequence[int], limit: int, rows: int = 1, use_pool: bool = True
                 ) -> tuple[list[int], int, bool]:

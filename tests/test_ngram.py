@@ -111,3 +111,17 @@ def test_pooled_priced_matches_draft_from_the_pool_only_where_it_matches_longer(
     q = matcher.pooled.q(4, 0)
     matcher.learn(4, len(draft), 0, pooled=True)  # the pool's own table learns its verdicts
     assert matcher.pooled.q(4, 0) < q and matcher.own.q(4, 0) == PricedMatch.prior(4, 0)
+
+
+def test_a_match_factor_keeps_a_draft_within_its_match_length():
+    from drafts.suffix import PricedMatch
+
+    tokens = [5, 6, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # "1 2": a 2-token match, continued by 3 4 5 6 ...
+    free = PricedMatch(max_tokens=8, threshold=0.01)
+    capped = PricedMatch(max_tokens=8, threshold=0.01, match_factor=1.0)
+    draft, match = free.propose(tokens, 8)
+    assert match == 2 and len(draft) > 2  # priced alone, a cheap price lets it run on
+    assert capped.propose(tokens, 8) == (draft[:2], 2)  # no longer than its match
+    assert PricedMatch(max_tokens=8, threshold=0.01, match_factor=0.1).propose(tokens, 8) == (draft[:1], 2)  # one at least
+    with pytest.raises(ValueError):
+        PricedMatch(match_factor=-1.0)

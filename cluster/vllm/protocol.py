@@ -66,6 +66,7 @@ class InlineMatches(BaseModel):
     max_match: int = Field(16, ge=1, le=64, description="`priced` only: how far back a match is extended (longer ones share its table row).")
     threshold: float = Field(0.1, gt=0, lt=1, description="`priced` only: the price of one verified token at one row, in tokens gained.")
     per_row: float = Field(0.04, ge=0, le=1, description="`priced` only: the price's rise per further row of the step.")
+    match_factor: float = Field(0.0, ge=0, le=8, description="`priced` only: a draft at most this many times its match long (0: no such cap).")
     pool_tokens: int = Field(0, ge=0, le=1 << 22, description="`priced` only: finished requests' outputs kept, in tokens, where a request's own tokens match nothing as long (`drafts.suffix.SuffixPool`; greedy and unseeded requests only); 0: none.")
 
 
@@ -165,6 +166,7 @@ def inline_matches(config: EngineConfig) -> InlineMatches | None:
         return InlineMatches(kind="lookup", max_tokens=gamma, max_ngram=config.max_ngram)
     if config.proposer == "suffix":
         return InlineMatches(kind="priced", max_tokens=config.suffix_tokens, max_ngram=config.max_ngram,
+                             threshold=config.suffix_threshold, match_factor=config.suffix_match_factor,
                              pool_tokens=config.suffix_pool_tokens)
     own = OwnMatch.for_rounds(config.match_tokens, gamma, max_ngram=config.max_ngram) \
         if config.proposer == "hybrid" and config.own_matches else None

@@ -99,6 +99,10 @@ def _peer(args) -> int:
     streams = tuple(int(n) for n in (args.concurrency if args.concurrency != "1,4,16" else "1,16").split(",") if n)
     fresh = fresh_prompts_needed(args.prompts, streams, args.peer_repeats) if args.peer_fresh else None
     workloads = {name: peer_workload(name, fresh or args.prompts, more=bool(fresh)) for name in names}
+    short = {name: len(prompts) for name, (prompts, _) in workloads.items() if fresh and len(prompts) < fresh}
+    if short:  # before any server starts
+        raise SystemExit(f"--peer-fresh needs {fresh} prompts a workload for these streams and repeats; there are "
+                         f"{short}: fewer --prompts, --peer-repeats or stream counts")
     dtype = args.dtype
     model_dir = str(models.resolve_model_path("default", args.cache_dir))
     which = tuple(args.peer_servers.split(","))

@@ -227,8 +227,7 @@ class SuffixPool:
         del self._outputs[key]
         self.tokens -= len(tokens)
         n = self.ngram
-        for start in range(len(tokens) - n):
-            gram = tuple(tokens[start:start + n])
+        for gram in {tuple(tokens[start:start + n]) for start in range(len(tokens) - n)}:
             spots = self._index[gram]
             while spots and spots[0][0] == key:  # the oldest output's entries lead every deque
                 spots.popleft()

@@ -95,6 +95,10 @@ def test_the_suffix_pool_finds_the_longest_match_in_earlier_outputs_and_forgets_
     assert len(pool) == 2 and pool.tokens == 15
     assert pool.match([0, 1, 2, 3], 2) == ([], 0) and pool.match([0, 2, 3, 4], 2) == ([8, 8], 3)
     assert pool.match([5, 5, 5], 2) == ([1, 1], 3)
+    pool.add([4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4])  # the two before leave, one with an n-gram twice
+    pool.add([7, 7, 7, 7, 7, 7, 7, 7, 7])  # and so does this one's predecessor: "4 4 4" four times over
+    assert len(pool) == 1 and pool.match([4, 4, 4], 2) == ([], 0) and pool.match([7, 7, 7], 2) == ([7], 3)
+    assert all(pool._index.values())  # no empty entry left behind
 
 
 def test_pooled_priced_matches_draft_from_the_pool_only_where_it_matches_longer():

@@ -34,11 +34,8 @@ def suffix_match(tokens: Sequence[int], corpus: Sequence[int], k: int, max_ngram
                 break
             if list(corpus[pos:pos + n]) != pattern:
                 continue
-            match = n
-            if n == max_ngram:  # a shorter n cannot extend further back: the longer n-gram would have matched
-                while (match < max_match and pos + n - 1 - match >= 0 and length - 1 - match >= 0
-                       and corpus[pos + n - 1 - match] == tokens[length - 1 - match]):
-                    match += 1
+            # a shorter n cannot extend further back: the longer n-gram would have matched
+            match = extended_match(tokens, corpus, pos, n, max_match) if n == max_ngram else n
             if match > best_len:
                 best, best_len = pos, match
                 if match >= max_match:
@@ -46,6 +43,16 @@ def suffix_match(tokens: Sequence[int], corpus: Sequence[int], k: int, max_ngram
         if best >= 0:
             return list(corpus[best + n:best + n + k]), best_len
     return [], 0
+
+
+def extended_match(tokens: Sequence[int], corpus: Sequence[int], pos: int, n: int, max_match: int) -> int:
+    """How long the match of `tokens`' last n tokens at corpus[pos:pos + n] is, extended back token by token
+    while both agree (up to `max_match`)."""
+    match, length = n, len(tokens)
+    while (match < max_match and pos + n - 1 - match >= 0 and length - 1 - match >= 0
+           and corpus[pos + n - 1 - match] == tokens[length - 1 - match]):
+        match += 1
+    return match
 
 
 @dataclass(frozen=True)
@@ -246,10 +253,8 @@ class SuffixPool:
         best, best_len = None, 0
         for i in range(len(spots) - 1, max(-1, len(spots) - 1 - self.max_candidates), -1):  # newest first
             key, start = spots[i]
-            seq, match = self._outputs[key], n
-            while (match < self.max_match and start - 1 - (match - n) >= 0 and length - 1 - match >= 0
-                   and seq[start - 1 - (match - n)] == tokens[length - 1 - match]):
-                match += 1
+            seq = self._outputs[key]
+            match = extended_match(tokens, seq, start, n, self.max_match)
             if match > best_len:
                 best, best_len = (seq, start), match
                 if match >= self.max_match:
@@ -259,20 +264,21 @@ class SuffixPool:
 
 
 class PooledPricedMatch:
-    """`PricedMatch` over a session's own tokens, and where the pool (`SuffixPool`) holds a longer match, the
-    pool's continuation, priced by a table of its own (another session's text goes on differently from a
-    session's own repeats). `propose` -> (draft, match, pooled); `learn` takes `pooled` back."""
+    """`PricedMatch` over a session's own tokens, and where the pool (`SuffixPool`; None: none) holds a longer
+    match, the pool's continuation, priced by a table of its own (another session's text goes on differently
+    from a session's own repeats). `propose` -> (draft, match, pooled); `learn` takes `pooled` back."""
 
-    def __init__(self, own: PricedMatch, pool: SuffixPool):
+    def __init__(self, own: PricedMatch, pool: SuffixPool | None):
         self.own, self.pool = own, pool
-        self.pooled = PricedMatch(own.max_tokens, pool.max_match, min(own.max_ngram, pool.ngram), own.threshold,
-                                  own.per_row, own.weight, own.match_factor)
+        self.pooled = None if pool is None else PricedMatch(
+            own.max_tokens, pool.max_match, min(own.max_ngram, pool.ngram), own.threshold, own.per_row, own.weight,
+            own.match_factor)
 
     def propose(self, tokens: Sequence[int], limit: int, rows: int = 1, use_pool: bool = True
                 ) -> tuple[list[int], int, bool]:
         draft, match = self.own.propose(tokens, limit, rows)
         k = min(limit, self.own.max_tokens)
-        if not use_pool or k <= 0 or match >= self.pool.max_match:
+        if self.pool is None or not use_pool or k <= 0 or match >= self.pool.max_match:
             return draft, match, False
         pooled, pool_match = self.pool.match(tokens, k)
         if pool_match <= match:

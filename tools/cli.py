@@ -14,7 +14,7 @@ from deployments.cli import run_command
 from tools.bench import format_report, run_bench, write_json
 from tools.bench_distributed import format_distributed, run_distributed_bench
 from tools.loadgen import format_endpoint_report, run_endpoint_bench
-from tools.peer_bench import compare, fresh_prompts_needed, merge_alone, split_bind, start_servers
+from tools.peer_bench import compare, fresh_plan, fresh_prompts_needed, merge_alone, split_bind, start_servers
 from tools.peer_bench import format_report as format_peer_report
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,10 +99,11 @@ def _peer(args) -> int:
     streams = tuple(int(n) for n in (args.concurrency if args.concurrency != "1,4,16" else "1,16").split(",") if n)
     fresh = fresh_prompts_needed(args.prompts, streams, args.peer_repeats) if args.peer_fresh else None
     workloads = {name: peer_workload(name, fresh or args.prompts, more=bool(fresh)) for name in names}
-    short = {name: len(prompts) for name, (prompts, _) in workloads.items() if fresh and len(prompts) < fresh}
-    if short:  # before any server starts
-        raise SystemExit(f"--peer-fresh needs {fresh} prompts a workload for these streams and repeats; there are "
-                         f"{short}: fewer --prompts, --peer-repeats or stream counts")
+    for name, (prompts, _) in workloads.items() if fresh else ():
+        try:  # before any server starts
+            fresh_plan(prompts, args.prompts, streams, args.peer_repeats, name)
+        except ValueError as e:
+            raise SystemExit(f"--peer-fresh: {e}; ask for fewer --prompts, --peer-repeats or stream counts") from None
     dtype = args.dtype
     model_dir = str(models.resolve_model_path("default", args.cache_dir))
     which = tuple(args.peer_servers.split(","))

@@ -166,9 +166,6 @@ def many_streams(client, servers: list[Server], prompts: list[str], max_tokens: 
     per server, (wall time, records) of each batch. `fresh`: batch r is prompts[r·streams:(r+1)·streams], so no
     prompt repeats (else each batch cycles through `prompts`)."""
     out: dict[str, list] = {s.name: [] for s in servers}
-    if fresh and len(prompts) < streams * repeats:
-        raise ValueError(f"fresh batches of {streams} streams, {repeats} times, need {streams * repeats} prompts, "
-                         f"not {len(prompts)}")
     with ThreadPoolExecutor(streams) as pool:
         for r in range(repeats):
             batch = prompts[r * streams:(r + 1) * streams] if fresh else [prompts[i % len(prompts)] for i in range(streams)]
@@ -425,6 +422,21 @@ def fresh_prompts_needed(one_stream: int, streams: tuple[int, ...], repeats: int
     return (one_stream if 1 in streams else 0) + sum(n * repeats for n in streams if n > 1) + 1
 
 
+def fresh_plan(prompts: list[str], one_stream: int, streams: tuple[int, ...], repeats: int,
+               workload: str = "prompts") -> tuple[str, dict[int, list[str]]]:
+    """(the warm-up's prompt, each stream count's prompts) so that no server gets a prompt twice: one stream the
+    first `one_stream`, each N-stream count its N·repeats after them, the warm-up the last; a ValueError when
+    there are fewer than `fresh_prompts_needed`."""
+    needed = fresh_prompts_needed(one_stream, streams, repeats)
+    if len(prompts) < needed:
+        raise ValueError(f"{workload}: {len(prompts)} prompts, fewer than the {needed} a run without repeats needs")
+    plan, taken = {}, 0
+    for n in streams:
+        size = one_stream if n == 1 else n * repeats
+        plan[n], taken = prompts[taken:taken + size], taken + size
+    return prompts[-1], plan
+
+
 def compare(servers: list[Server], workloads: dict[str, tuple[list[str], bool]], max_tokens: int,
             streams: tuple[int, ...], repeats: int, reference: str = "vllm", send=request,
             client: httpx.Client | None = None, fresh_one_stream: int | None = None) -> dict:
@@ -440,27 +452,21 @@ def compare(servers: list[Server], workloads: dict[str, tuple[list[str], bool]],
     try:
         for workload, (prompts, chat) in workloads.items():
             fresh = fresh_one_stream is not None
-            if fresh and len(prompts) < fresh_prompts_needed(fresh_one_stream, streams, repeats):
-                raise ValueError(f"{workload}: {len(prompts)} prompts, fewer than the "
-                                 f"{fresh_prompts_needed(fresh_one_stream, streams, repeats)} a run without repeats needs")
+            warm, plan = fresh_plan(prompts, fresh_one_stream, streams, repeats, workload) if fresh else \
+                (prompts[0], dict.fromkeys(streams, prompts))
             for server in servers:  # warm-up, not measured
-                send(client, server, prompts[-1] if fresh else prompts[0], 4, chat, -1)
+                send(client, server, warm, 4, chat, -1)
             rows: dict = {}
-            taken = 0  # fresh: the prompts used so far
             for n in streams:
                 if n == 1:
-                    ones = prompts[:fresh_one_stream] if fresh else prompts
-                    taken += len(ones) if fresh else 0
-                    records = one_stream(client, servers, ones, max_tokens, chat, send)
+                    records = one_stream(client, servers, plan[n], max_tokens, chat, send)
                     per = {s.name: summarize([r for r in records if r.server == s.name]) for s in servers}
                     for name, equal in same_outputs(records, reference).items():
                         per[name]["same_output_as_reference"] = equal
                     report.setdefault("outputs", {})[workload] = {
                         s.name: [r.text for r in records if r.server == s.name] for s in servers}
                 else:
-                    batch_prompts = prompts[taken:taken + n * repeats] if fresh else prompts
-                    taken += n * repeats if fresh else 0
-                    batches = many_streams(client, servers, batch_prompts, max_tokens, chat, n, repeats, send, fresh)
+                    batches = many_streams(client, servers, plan[n], max_tokens, chat, n, repeats, send, fresh)
                     per = {name: summarize([r for _, rs in runs for r in rs], sum(w for w, _ in runs))
                            for name, runs in batches.items()}
                 ref = per.get(reference, {}).get("tokens_per_s")

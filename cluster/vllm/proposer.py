@@ -193,10 +193,11 @@ class TandemProposer:
                     self._match.learn(given[0], given[1], accepted, given[2])
                     self.stats["inline_verdicts"] += 1
                     self.stats["inline_verdict_accepted"] += accepted
-                if self._match.pool is not None:  # the request's output joins the pool when it ends
-                    self._outputs[key] = (self._outputs[key][0] if key in self._outputs else len(history) - num_new,
-                                          history)
-                draft, match, pooled = self._match.propose(history, limit, active, self._may_pool(req_ids[i], i))
+                pool = self._match.pool is not None
+                if pool:  # the request's output joins the pool when it ends (its prompt: what it had at first sight)
+                    prompt, _ = self._outputs.get(key, (len(history) - num_new, None))
+                    self._outputs[key] = (prompt, history)
+                draft, match, pooled = self._match.propose(history, limit, active, pool and self._may_pool(req_ids[i], i))
                 if draft:
                     self._verdicts[key] = (match, len(draft), pooled)
                     self.stats["pooled_rows"] += int(pooled)
@@ -349,13 +350,11 @@ class _Inline:
         self.own = OwnMatch(matches.max_tokens, matches.min_match, matches.max_ngram) if matches.kind == "own" else None
         self.pool = SuffixPool(matches.pool_tokens, matches.max_ngram, matches.max_match) \
             if self.priced is not None and matches.pool_tokens else None
-        self.pooled = PooledPricedMatch(self.priced, self.pool) if self.pool is not None else None
+        self.pooled = PooledPricedMatch(self.priced, self.pool) if self.priced is not None else None
 
     def propose(self, history: list[int], limit: int, rows: int, use_pool: bool = False) -> tuple[list[int], int, bool]:
         if self.pooled is not None:
             return self.pooled.propose(history, limit, rows, use_pool)
-        if self.priced is not None:
-            return *self.priced.propose(history, limit, rows), False
         if self.own is not None:
             return self.own.propose(history, limit), 0, False
         return ngram_lookup(history, min(limit, self.matches.max_tokens), self.matches.max_ngram), 0, False
@@ -363,8 +362,6 @@ class _Inline:
     def learn(self, match: int, drafted: int, accepted: int, pooled: bool = False) -> None:
         if self.pooled is not None:
             self.pooled.learn(match, drafted, accepted, pooled)
-        elif self.priced is not None:
-            self.priced.learn(match, drafted, accepted)
 
 
 PROPOSER_CLASS = f"{TandemProposer.__module__}.{TandemProposer.__qualname__}"  # vLLM's `speculative_config.model`

@@ -42,10 +42,11 @@ from cluster.model import models
 from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
 from cluster.vllm import reaper
-from cluster.vllm.engine import checked_eagle3_dir, from_vllm_logprobs, to_vllm_params
+from cluster.vllm.eagle3 import checked_eagle3_dir, eagle3_speculative_config
+from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params
 from cluster.vllm.openmp import engine_processes_on_intel_openmp
 from cluster.vllm.proposer import PROPOSER_CLASS
-from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens
+from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens, inline_matches
 from cluster.vllm.worker import WORKER_EXTENSION
 from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
 from deployments.config import TandemAppConfig
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 PROPOSER_STATS_TIMEOUT_S = 5.0  # the proposer-counter RPC made at each health check (metrics only)
 
 PROPOSER_KINDS = ("hits", "misses", "matched_rows", "drafted_rows", "empty_rows", "empty_late", "empty_failed", "drafter_failures",
-                  "proposer_errors", "pooled_rows", "pool_outputs")
+                  "proposer_errors", "pooled_rows", "pool_outputs", "eagle_rows")
 
 
 def llm_config(config: TandemAppConfig):
@@ -72,16 +73,19 @@ def llm_config(config: TandemAppConfig):
     engine_kwargs = {"dtype": engine.dtype, "max_model_len": vllm.max_model_len, "seed": 0,
                      "tensor_parallel_size": config.tensor_parallel_size, "enforce_eager": not vllm.compile,
                      "worker_extension_cls": WORKER_EXTENSION, "disable_log_stats": False}
+    eagle3_matches = config.speculative and engine.proposer == EAGLE3 and engine.eagle3_matches
     if config.speculative and engine.proposer == EAGLE3:  # vLLM's own method on the exported draft, in its step
         draft_dir = checked_eagle3_dir(engine.draft, "engine.draft", engine.target, engine.cache_dir)
-        engine_kwargs["speculative_config"] = {"method": "eagle3", "model": str(draft_dir),
-                                               "num_speculative_tokens": engine.num_speculative_tokens}
+        engine_kwargs["speculative_config"] = eagle3_speculative_config(
+            str(draft_dir), engine.num_speculative_tokens, inline_matches(engine) if eagle3_matches else None)
+        if eagle3_matches:  # drafts of any length per row (tandem's matches): vLLM's synchronous scheduler
+            engine_kwargs["async_scheduling"] = False
     elif config.speculative:
         engine_kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
                                                "num_speculative_tokens": engine_draft_tokens(engine)}
     schedule = vllm.schedule_for(engine_kwargs["speculative_config"]["method"]) if config.speculative else None
-    if schedule:  # γ by batch size (vLLM's dynamic speculative decoding)
-        engine_kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = schedule
+    if schedule and not eagle3_matches:  # γ by batch size (vLLM's dynamic speculative decoding; with tandem's
+        engine_kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = schedule  # matches: theirs)
     if config.speculative:
         engine_kwargs["per_request_spec_decode_metrics"] = "summary"  # each request's drafted / accepted
     engine_kwargs.update(vllm.engine_kwargs)
@@ -157,6 +161,8 @@ class TandemLLMServer(_server_base()):
         # vLLM's own method (proposer 'eagle3'): no tandem proposer in the worker, no drafter, one γ for all requests
         self.vllm_method = None if not self.speculative else "eagle3" if config.engine.proposer == EAGLE3 else "custom_class"
         matches = InlineMatches.model_validate(tandem["matches"]) if tandem.get("matches") else None
+        # tandem's matches in vLLM's EAGLE-3 proposer (cluster.vllm.eagle_matches): its counters, per-request caps
+        self.eagle3_matches = self.vllm_method == "eagle3" and matches is not None
         name = None
         if self.tandem_proposer and tandem.get("drafter", True):  # the drafter loads its model while vLLM starts
 
@@ -185,13 +191,17 @@ class TandemLLMServer(_server_base()):
             else:  # free drafts only (proposers ngram, suffix): made in vLLM's step, no drafter
                 spec = DrafterSpec(matches=matches, **tuning)
             await self.collective_rpc("tandem_configure", args=(spec.wire(),))
+        elif self.eagle3_matches:
+            await self.collective_rpc("tandem_eagle_matches", args=(
+                matches.model_dump(mode="json"), config.engine.num_speculative_tokens, config.vllm.schedule_for("eagle3")))
         self.fix = (await self.collective_rpc("tandem_fix_rejection_sampler"))[0]  # every worker, before requests
         self.open_sessions = 0
         self.stats_gate = StatsGate()  # the proposer counters are read only when they can have moved
         self.proposer_rows = metrics.Counter(
             "tandem_vllm_proposer_rows", "vLLM proposer rows by outcome: hits (a draft continued the committed "
             "tokens), misses, drafted_rows, empty_rows (plain steps) and why (late, failed), drafter failures; "
-            "pooled_rows (drafted from finished requests' outputs) and pool_outputs (outputs pooled).",
+            "pooled_rows (drafted from finished requests' outputs) and pool_outputs (outputs pooled); with vLLM's "
+            "EAGLE-3 method, eagle_rows (its drafts kept) and matched_rows (a match's drafts instead).",
             ("model", "kind"))
         self.proposer_rows.set_default_tags({"model": llm_config.model_id})
         self._last_stats: dict[str, int] = {}
@@ -214,7 +224,8 @@ class TandemLLMServer(_server_base()):
             yield ErrorChunk("invalid_request_error", f"sampled speculative decoding is refused on this vLLM "
                                                       f"({self.fix}); use temperature 0")
             return
-        if self.vllm_method == "eagle3" and max_speculative_tokens is not None and sampling.max_tokens != 0:
+        if self.vllm_method == "eagle3" and not self.eagle3_matches and max_speculative_tokens is not None \
+                and sampling.max_tokens != 0:
             yield ErrorChunk("invalid_request_error", "num_speculative_tokens: this server drafts with vLLM's eagle3 "
                                                       "method, whose draft length is fixed for every request; leave it out")
             return
@@ -327,7 +338,7 @@ class TandemLLMServer(_server_base()):
                 await stream.aclose()
 
     async def _record_proposer(self) -> None:
-        if not self.tandem_proposer or not self.stats_gate.due(self.open_sessions):
+        if not (self.tandem_proposer or self.eagle3_matches) or not self.stats_gate.due(self.open_sessions):
             return
         opened = self.stats_gate.opened
         try:  # bounded: the engine answers between steps, and a health check must not wait on metrics
@@ -343,7 +354,7 @@ class TandemLLMServer(_server_base()):
             self._last_stats[kind] = int(stats.get(kind, 0))
 
     async def proposer_stats(self) -> dict:
-        return (await self.collective_rpc("tandem_stats"))[0] if self.tandem_proposer else {}
+        return (await self.collective_rpc("tandem_stats"))[0] if self.tandem_proposer or self.eagle3_matches else {}
 
     async def drafter_stats(self) -> dict:
         return await self.drafter.stats.remote() if self.drafter is not None else {}

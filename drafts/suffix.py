@@ -183,6 +183,14 @@ class PricedMatch:
             n = j + 1
         return draft[:n]
 
+    def expected(self, match: int, drafted: int) -> float:
+        """The tokens a draft of `drafted` tokens after a match of length `match` is expected to have accepted."""
+        m, p, total = min(match, self.max_match), 1.0, 0.0
+        for j in range(min(drafted, self.max_tokens)):
+            p *= self.q(m, j)
+            total += p
+        return total
+
     def learn(self, match: int, drafted: int, accepted: int) -> None:
         """A verdict: of `drafted` tokens drafted after a match of length `match`, the first `accepted`
         were accepted. Tokens 0..accepted were tried (the ones before them right), 0..accepted-1 right."""
@@ -287,3 +295,6 @@ class PooledPricedMatch:
 
     def learn(self, match: int, drafted: int, accepted: int, pooled: bool = False) -> None:
         (self.pooled if pooled else self.own).learn(match, drafted, accepted)
+
+    def expected(self, match: int, drafted: int, pooled: bool = False) -> float:
+        return (self.pooled if pooled else self.own).expected(match, drafted)

@@ -185,7 +185,7 @@ def test_the_shipped_draft_is_written_in_vllms_layout_once(tmp_path, model_dir):
     tandem's files and the target (the head rows at d2t), with the same weights."""
     from safetensors.torch import load_file
 
-    from cluster.vllm.engine import checked_eagle3_dir
+    from cluster.vllm.eagle3 import checked_eagle3_dir
 
     out = checked_eagle3_dir("eagle3", target=model_dir, cache=tmp_path)
     config = json.loads((out / "config.json").read_text())

@@ -667,9 +667,9 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
     del target, draft, hidden, optimizer, p, logits, loss  # the torch copies, before a third engine starts
     # through tandem's engine config, as `tandem generate --engine vllm --proposer eagle3 --draft DIR` builds it
     decoder = build_vllm_decoder(EngineConfig(target=str(path), backend="vllm", proposer="eagle3", draft=str(out),
-                                              num_speculative_tokens=gamma, dtype="float32"))
+                                              num_speculative_tokens=gamma, dtype="float32", eagle3_matches=False))
     engine = decoder.engine
-    assert engine.method == "eagle3" and decoder.stats()["proposer"] == {}  # vLLM's method: no tandem proposer
+    assert engine.method == "eagle3" and decoder.stats()["proposer"] == {}  # vLLM's method as it is: no tandem part
     try:
         counted = []
         for name in prompts:  # one at a time: vLLM's counters per prompt
@@ -683,3 +683,49 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
     assert sum(a for _, a in counted) > 0.5 * sum(r for r, _ in counted), counted  # the fitted draft is right
     with pytest.raises(ConfigError, match="eagle3_dir"):
         VLLMEngine(path, method="eagle3", eagle3_dir=str(tmp_path / "missing"))
+
+
+def test_eagle3_with_tandems_matches_is_lossless(path, prompts, reference, tmp_path):
+    """Proposer 'eagle3' with `eagle3_matches` (the default): tandem's priced matches inside vLLM's EAGLE-3 proposer
+    (`cluster.vllm.eagle_matches`). With an untrained draft (mostly wrong: a match wins wherever there is one) both
+    kinds of rows are drafted; fp32 greedy output is vLLM's target-only output; sampled tokens 1 and 2 (temperature
+    1, top-k 6) follow transformers' fp32 p(t1)·p(t2|t1) (chi-square), token 2 often a match's draft where the prompt
+    repeats itself."""
+    from cluster.vllm.eagle3 import eagle3_speculative_config
+    from drafts.eagle3_model import Eagle3Draft, export_vllm
+
+    config = EngineConfig(target=str(path), backend="vllm", proposer="eagle3", num_speculative_tokens=3)
+    matches = inline_matches(config)
+    assert matches.kind == "priced" and matches.max_tokens == config.suffix_tokens == engine_draft_tokens(config)
+    assert eagle3_speculative_config("d", 3, matches) == {"method": "eagle3", "model": "d", "num_speculative_tokens": 16,
+                                                          "disable_padded_drafter_batch": True}
+    assert inline_matches(config.model_copy(update={"eagle3_matches": False})) is None
+    target = models.load_causal_lm(path, "float32", "cpu")
+    torch.manual_seed(0)
+    out = export_vllm(Eagle3Draft(target, torch.arange(4096)), tmp_path / "eagle3")
+    del target
+    tokenizer = models.load_tokenizer(path)
+    prompt = encode_prompt(tokenizer, "Colours: red, blue, green, yellow, purple. Colours: red, blue, green, yellow, "
+                                      "purple. Colours:", False)
+    top_k, n = 6, 400
+    expected, _ = _expected_pairs(path, prompt, top_k)
+    # unpriced per row: the sampled requests share steps, and a full step would draft no match
+    engine = VLLMEngine(path, dtype="float32", method="eagle3", eagle3_dir=str(out), num_speculative_tokens=3,
+                        eagle3_matches=matches.model_copy(update={"per_row": 0.0}))
+    try:
+        for name in prompts:
+            assert engine.generate(prompts[name], GREEDY).token_ids == reference[name], name
+        stats = engine.proposer_stats()
+        assert stats["eagle_rows"] > 0 and stats["matched_rows"] > 0 and stats["matched_tokens"] > 0, stats
+        assert stats["pool_outputs"] >= len(prompts) - 1 and not stats.get("proposer_errors"), stats
+        before, rows = engine.spec_metrics(), engine.proposer_stats()["matched_rows"]
+        pairs = _sample_pairs(engine, prompt, n, top_k)
+        after = engine.spec_metrics()
+        drafted = after["draft_tokens"] - before["draft_tokens"]
+        accepted = after["accepted_tokens"] - before["accepted_tokens"]
+        assert engine.proposer_stats()["matched_rows"] - rows >= n // 4  # token 2 drafted by a match, often
+        assert 0 < accepted < drafted  # both accept and reject paths ran
+        p_value = _chi_square_p(pairs, expected)
+        assert p_value > 1e-3, p_value
+    finally:
+        engine.shutdown()

@@ -560,9 +560,11 @@ def test_echo_and_prompt_logprobs_are_vllms(client, tokenizer, target_fp32):
 
 def test_eagle3_route_serves_the_targets_tokens(server, target_fp32, prompt_ids, references, tmp_path):
     """Proposer 'eagle3' (backend vllm): vLLM's own EAGLE-3 method runs a draft `export_vllm` wrote inside its
-    step, through tandem's replicas, with no drafter. The draft here is untrained: the route and losslessness
-    are checked, not α. A per-request draft cap is refused (vLLM's method drafts one length for every
-    request); a directory that is no EAGLE-3 export, on either backend, is a clear config error."""
+    step, through tandem's replicas, with no drafter, and tandem's priced matches drafted in its proposer
+    (`eagle3_matches`, the default: `cluster.vllm.eagle_matches`). The draft here is untrained: the route and
+    losslessness are checked, not α. A request's draft cap holds (`num_speculative_tokens` 0: no drafts, 1: at most
+    one a step); the replica counts both kinds of rows. A directory that is no EAGLE-3 export, on either backend, is
+    a clear config error."""
     import torch
     from ray import serve
 
@@ -585,11 +587,17 @@ def test_eagle3_route_serves_the_targets_tokens(server, target_fp32, prompt_ids,
             r = e3.completions.create(model=MODEL, prompt=PROMPTS[i][0], max_tokens=MAX_TOKENS, temperature=0,
                                       extra_body={"return_token_ids": True})
             assert r.choices[0].model_extra["token_ids"] == _ref(references, prompt_ids, i), i
-            spec = r.model_extra["speculation"]  # vLLM's per-request figures for its EAGLE-3 drafts
+            spec = r.model_extra["speculation"]  # vLLM's per-request figures for its drafts
             assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"], spec
-        with pytest.raises(openai.BadRequestError, match="eagle3"):
-            e3.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=4, temperature=0,
-                                  extra_body={"num_speculative_tokens": 1})
+        for cap in (0, 1):
+            r = e3.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"return_token_ids": True, "num_speculative_tokens": cap})
+            tokens = r.choices[0].model_extra["token_ids"]
+            assert tokens == _ref(references, prompt_ids, 0), cap
+            spec = r.model_extra["speculation"]
+            assert spec["drafted"] == 0 if cap == 0 else 0 < spec["drafted"] <= len(tokens), (cap, spec)
+        stats = serve.get_deployment_handle(VERIFIER, "e3").proposer_stats.remote().result()
+        assert stats["eagle_rows"] > 0 and stats["plain_rows"] > 0 and not stats.get("proposer_errors"), stats
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
         assert not any(n.startswith("tandem-vllm-drafter-e3-") for n in names), names
     finally:

@@ -62,7 +62,7 @@ def vllm_spec(name: str) -> dict | None:
         _require_arctic_inference()
         return {**SUFFIX_SPEC, "suffix_decoding_max_cached_requests": 0} if name.endswith("_own") else SUFFIX_SPEC
     if name.startswith("vllm_eagle3"):
-        from cluster.vllm.engine import checked_eagle3_dir
+        from cluster.vllm.eagle3 import checked_eagle3_dir
 
         spec = {"method": "eagle3", "model": str(checked_eagle3_dir(EAGLE3_DRAFT, "--peer-servers")),
                 "num_speculative_tokens": 3}

@@ -22,14 +22,12 @@ guard. Environment defaults set here: `VLLM_CPU_KVCACHE_SPACE=1` (GiB), `VLLM_HO
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 
 import ray
 import torch
@@ -58,11 +56,10 @@ from cluster.session.speculate import GenerationResult, SpeculationStats, valida
 from cluster.vllm import reaper  # noqa: E402
 from cluster.vllm.openmp import engine_processes_on_intel_openmp  # noqa: E402
 from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
-from cluster.vllm.protocol import INLINE_ONLY, DrafterSpec, RayDrafter, engine_draft_tokens, inline_matches  # noqa: E402
+from cluster.vllm.eagle3 import checked_eagle3_dir, eagle3_speculative_config  # noqa: E402
+from cluster.vllm.protocol import (INLINE_ONLY, DrafterSpec, InlineMatches, RayDrafter, engine_draft_tokens,  # noqa: E402
+                                   inline_matches)
 from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
-from drafts.eagle3_model import WEIGHTS as EAGLE3_WEIGHTS  # noqa: E402
-from drafts.eagle3_model import export_vllm, load_eagle3  # noqa: E402
-from drafts.feature_proposer import feature_draft_dir, is_eagle3_draft  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +133,12 @@ class VLLMEngine:
     def __init__(self, target: str | os.PathLike = "default", *, dtype: str = "float32", method: str | None = None,
                  num_speculative_tokens: int = 3, drafter: DrafterSpec | None = None, tensor_parallel_size: int = 1,
                  max_model_len: int = 2048, seed: int = 0, max_ngram: int = 3, cache_dir: str | None = None,
-                 enforce_eager: bool = True, llm_kwargs: dict | None = None, eagle3_dir: str | None = None):
+                 enforce_eager: bool = True, llm_kwargs: dict | None = None, eagle3_dir: str | None = None,
+                 eagle3_matches: InlineMatches | None = None, eagle3_schedule: list[list[int]] | None = None):
         """`drafter`: the drafter for `method="tandem"` (reconfigurable with `configure`); `eagle3_dir`: the
-        exported draft for `method="eagle3"`. `llm_kwargs` go to `vllm.LLM` as they are (e.g. `gpu_memory_utilization`)."""
+        exported draft for `method="eagle3"`, `eagle3_matches` tandem's priced matches in its proposer
+        (`cluster.vllm.eagle_matches`; EAGLE-3 then drafts `num_speculative_tokens`, by batch size with
+        `eagle3_schedule`). `llm_kwargs` go to `vllm.LLM` as they are (e.g. `gpu_memory_utilization`)."""
         if method not in METHODS:
             raise ConfigError(f"unknown vLLM speculative method {method!r}; choose one of {METHODS}")
         if method == "eagle3":
@@ -173,8 +173,10 @@ class VLLMEngine:
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                                             "prompt_lookup_max": max_ngram, "prompt_lookup_min": 1}
         elif method == "eagle3":
-            kwargs["speculative_config"] = {"method": "eagle3", "model": str(eagle3_dir),
-                                            "num_speculative_tokens": num_speculative_tokens}
+            kwargs["speculative_config"] = eagle3_speculative_config(str(eagle3_dir), num_speculative_tokens,
+                                                                     eagle3_matches)
+            if eagle3_matches is not None:  # drafts of any length per row: vLLM's synchronous scheduler
+                kwargs["async_scheduling"] = False
         kwargs.update(llm_kwargs or {})
         t0 = time.perf_counter()
         with engine_processes_on_intel_openmp(not torch.cuda.is_available()):  # cluster.vllm.openmp
@@ -182,6 +184,10 @@ class VLLMEngine:
         self.startup_s = time.perf_counter() - t0
         self.reaper = reaper.watch_engine()  # no orphan if this process is killed
         self.fix = self.llm.collective_rpc("tandem_fix_rejection_sampler")[0]  # in every worker, before any request
+        self.eagle3_matches = method == "eagle3" and eagle3_matches is not None
+        if self.eagle3_matches:
+            self.llm.collective_rpc("tandem_eagle_matches", args=(eagle3_matches.model_dump(mode="json"),
+                                                                  num_speculative_tokens, eagle3_schedule))
         self.drafter_spec = None
         if method == "tandem" and drafter is not None:
             self.configure(drafter)
@@ -200,7 +206,7 @@ class VLLMEngine:
 
     def proposer_stats(self) -> dict:
         """Rank 0's proposer counters: rows, drafted_rows, hits, misses, empty_* rows, drafter_failures."""
-        if self.method != "tandem":
+        if self.method != "tandem" and not self.eagle3_matches:
             return {}
         return self.llm.collective_rpc("tandem_stats")[0]
 
@@ -275,37 +281,6 @@ class VLLMEngine:
 # -- building from tandem's engine config ------------------------------------------------------------------
 
 
-def checked_eagle3_dir(draft: str | os.PathLike | None, field: str = "engine.draft", target: str | os.PathLike = "default",
-                      cache: str | os.PathLike | None = None) -> Path:
-    """vLLM's `eagle3` method's draft, resolved: a directory `drafts.eagle3_model.export_vllm` wrote (config.json
-    with an Eagle3 architecture, model.safetensors), or a tandem EAGLE-3 draft (tandem_draft.json of kind
-    'eagle3', the shorthand 'eagle3' for the shipped one), whose vLLM layout is written once from it and `target`
-    under the cache (`<cache>/eagle3-vllm/`); a ConfigError naming `field` otherwise."""
-    path = feature_draft_dir(draft) if draft else Path("")
-    if draft and _vllm_eagle3_layout(path):
-        return path.resolve()
-    if draft and is_eagle3_draft(draft):
-        weights = path / EAGLE3_WEIGHTS
-        digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
-        out = models.cache_dir(cache) / "eagle3-vllm" / f"{path.resolve().name}-{digest}"
-        if not _vllm_eagle3_layout(out):
-            target_model = models.load_causal_lm(models.resolve_model_path(target, cache), "float32", "cpu")
-            export_vllm(load_eagle3(target_model, path, torch.float32), out)
-            log.info("tandem's EAGLE-3 draft %s written in vLLM's layout to %s", path, out)
-        return out.resolve()
-    raise ConfigError(f"vLLM's eagle3 method needs {field} to be an EAGLE-3 draft: a directory "
-                      f"drafts.eagle3_model.export_vllm wrote (config.json with an Eagle3 architecture and "
-                      f"model.safetensors) or a tandem EAGLE-3 draft (tandem_draft.json of kind 'eagle3'); got {draft!r}")
-
-
-def _vllm_eagle3_layout(path: Path) -> bool:
-    try:
-        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        return False
-    return any("Eagle3" in a for a in architectures) and (path / "model.safetensors").is_file()
-
-
 def drafter_spec(config: EngineConfig) -> DrafterSpec | None:
     """The in-worker drafts for an `EngineConfig`, None for proposer 'none': proposers 'ngram' (prompt
     lookup) and 'suffix' (priced matches) are made by the proposer itself in vLLM's step (`InlineMatches`,
@@ -352,7 +327,8 @@ class VLLMDecoder:
     """`build_decoder`'s answer for `backend: vllm`: `.tokenizer`, `.generate(prompt_ids, params)`,
     `.stats()`, `.shutdown()` (with `distributed`, the drafter is the remote actor on Ray)."""
 
-    def __init__(self, config, distributed: bool = False, **engine_kwargs):
+    def __init__(self, config, distributed: bool = False, eagle3_schedule: list[list[int]] | None = None,
+                 **engine_kwargs):
         self.remote = None
         spec = None
         eagle3 = config.proposer == EAGLE3 and config.num_speculative_tokens > 0  # vLLM's own method, no drafter
@@ -365,8 +341,11 @@ class VLLMDecoder:
         try:
             self.engine = VLLMEngine(config.target, dtype=config.dtype, cache_dir=config.cache_dir,
                                      method="eagle3" if eagle3 else "tandem" if spec is not None else None,
-                                     num_speculative_tokens=engine_draft_tokens(config), drafter=spec,
-                                     eagle3_dir=config.draft if eagle3 else None, **engine_kwargs)
+                                     num_speculative_tokens=config.num_speculative_tokens if eagle3
+                                     else engine_draft_tokens(config), drafter=spec,
+                                     eagle3_dir=config.draft if eagle3 else None,
+                                     eagle3_matches=inline_matches(config) if eagle3 else None,
+                                     eagle3_schedule=eagle3_schedule, **engine_kwargs)
         except BaseException:
             if self.remote is not None:
                 self.remote.shutdown()

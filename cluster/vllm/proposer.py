@@ -80,7 +80,7 @@ class TandemProposer:
         self._deadline = 0.0
         self.sessions: dict[str, _Session] = {}
         self._drafter_part: dict | None = None
-        self._match: _Inline | None = None  # the inline matches of `spec.matches` (None: none)
+        self._match: InlineMatcher | None = None  # the inline matches of `spec.matches` (None: none)
         self._verdicts: dict[str, tuple[int, int, bool]] = {}  # key -> (match, tokens, pooled) of the inline draft last given
         self._outputs: dict[str, tuple[int, list[int]]] = {}  # key -> (prompt length, committed tokens) for the pool
         self.stats: Counter = Counter()
@@ -103,7 +103,7 @@ class TandemProposer:
             self._close()
         self.runner, self.rank, self.spec = runner, rank, spec
         self.max_k = self.k if spec.max_k is None else min(self.k, spec.max_k)
-        self._match = _Inline(spec.matches) if rank == 0 and spec.matches is not None else None
+        self._match = InlineMatcher(spec.matches) if rank == 0 and spec.matches is not None else None
         self._verdicts.clear()
         self._outputs.clear()
         self.stats = Counter()
@@ -157,10 +157,7 @@ class TandemProposer:
             live = {self._key(r) for r in live}
             for key in [k for k in self._verdicts if k not in live]:
                 del self._verdicts[key]
-            for key in [k for k in self._outputs if k not in live]:  # finished or aborted: its output is pooled
-                prompt, history = self._outputs.pop(key)
-                self._match.pool.add(history[prompt:])
-                self.stats["pool_outputs"] += 1
+            self.stats["pool_outputs"] += pool_finished(self._outputs, live, self._match)
             for session in [s for s in self.sessions if s not in live]:  # finished or aborted
                 if self.sessions.pop(session).started and not self.spec.registered:
                     self.client.release(session)  # a registered session is released by its front door
@@ -197,7 +194,7 @@ class TandemProposer:
                 if pool:  # the request's output joins the pool when it ends (its prompt: what it had at first sight)
                     prompt, _ = self._outputs.get(key, (len(history) - num_new, None))
                     self._outputs[key] = (prompt, history)
-                draft, match, pooled = self._match.propose(history, limit, active, pool and self._may_pool(req_ids[i], i))
+                draft, match, pooled = self._match.propose(history, limit, active, pool and may_pool(self.runner, req_ids[i], i))
                 if draft:
                     self._verdicts[key] = (match, len(draft), pooled)
                     self.stats["pooled_rows"] += int(pooled)
@@ -215,16 +212,6 @@ class TandemProposer:
                 self.stats["empty_rows"] += 1
             out.append(draft)
         return out
-
-    def _may_pool(self, rid: str, row: int) -> bool:
-        """Whether row `row` (vLLM's request `rid`) may take another request's output as its draft: a greedy one,
-        or a sampled one without a seed. A seeded request's random numbers could be those that made a pooled
-        output (the same seed), and a draft must not depend on them; its own tokens' matches stay."""
-        batch = self.runner.input_batch
-        greedy, seeded = getattr(batch, "greedy_reqs", None), getattr(batch, "generators", None)
-        if greedy is None or seeded is None:  # a runner that does not say: no pooled drafts
-            return False
-        return rid in greedy or row not in seeded
 
     def _key(self, rid: str) -> str:
         """The drafter's session for vLLM's internal request id: with `registered`, the id the front
@@ -338,7 +325,7 @@ class TandemProposer:
                         drafter=self.client.name if self.client else "none", fix=fix_state())
 
 
-class _Inline:
+class InlineMatcher:
     """The inline matches of an `InlineMatches`: `propose(history, limit, rows, use_pool)` -> (draft, match
     length, pooled), `learn(match, drafted, accepted, pooled)` (only priced matches learn); priced matches with
     `pool_tokens` also draw on the pool of finished requests' outputs (`pool`)."""
@@ -362,6 +349,27 @@ class _Inline:
     def learn(self, match: int, drafted: int, accepted: int, pooled: bool = False) -> None:
         if self.pooled is not None:
             self.pooled.learn(match, drafted, accepted, pooled)
+
+
+def may_pool(runner, rid: str, row: int) -> bool:
+    """Whether row `row` (vLLM's request `rid`) may take another request's output as its draft: a greedy one,
+    or a sampled one without a seed. A seeded request's random numbers could be those that made a pooled
+    output (the same seed), and a draft must not depend on them; its own tokens' matches stay."""
+    batch = runner.input_batch
+    greedy, seeded = getattr(batch, "greedy_reqs", None), getattr(batch, "generators", None)
+    if greedy is None or seeded is None:  # a runner that does not say: no pooled drafts
+        return False
+    return rid in greedy or row not in seeded
+
+
+def pool_finished(outputs: dict[str, tuple[int, list[int]]], live: set[str], matcher: "InlineMatcher | None") -> int:
+    """Requests of `outputs` (key -> (prompt length, committed tokens)) no longer `live` (finished or aborted): their
+    outputs join the matcher's pool, and they leave `outputs`. How many were pooled."""
+    gone = [k for k in outputs if k not in live]
+    for key in gone:
+        prompt, history = outputs.pop(key)
+        matcher.pool.add(history[prompt:])
+    return len(gone)
 
 
 PROPOSER_CLASS = f"{TandemProposer.__module__}.{TandemProposer.__qualname__}"  # vLLM's `speculative_config.model`

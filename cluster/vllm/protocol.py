@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.core.config import EngineConfig
+from cluster.core.config import EAGLE3, EngineConfig
 from drafts.suffix import OwnMatch
 
 TUNING = ("max_k", "overlap", "wait_s", "on_miss", "wait_first", "matches")  # changing only these keeps the drafter
@@ -157,14 +157,15 @@ INLINE_ONLY = ("ngram", "suffix")  # proposers whose drafts are all made in vLLM
 
 def inline_matches(config: EngineConfig) -> InlineMatches | None:
     """The matches vLLM's proposer drafts itself for a tandem engine config: proposer `ngram`'s prompt lookup
-    and proposer `suffix`'s priced matches (all their drafts: no drafter at all), the hybrid's long match
+    and proposer `suffix`'s priced matches (all their drafts: no drafter at all; with `eagle3_matches`, also those
+    vLLM's EAGLE-3 proposer takes where they beat its drafts: `cluster.vllm.eagle_matches`), the hybrid's long match
     rounds (`own_matches`, `match_tokens` > γ; the rest of its rounds are the drafter's). None for the others."""
     gamma = config.num_speculative_tokens
     if config.proposer == "none" or gamma == 0:
         return None
     if config.proposer == "ngram":
         return InlineMatches(kind="lookup", max_tokens=gamma, max_ngram=config.max_ngram)
-    if config.proposer == "suffix":
+    if config.proposer == "suffix" or (config.proposer == EAGLE3 and config.eagle3_matches):
         return InlineMatches(kind="priced", max_tokens=config.suffix_tokens, max_ngram=config.max_ngram,
                              threshold=config.suffix_threshold, match_factor=config.suffix_match_factor,
                              pool_tokens=config.suffix_pool_tokens)

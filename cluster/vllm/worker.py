@@ -1,7 +1,7 @@
 """The worker extension: mixed into vLLM's worker (`worker_extension_cls=WORKER_EXTENSION`), so that
 `collective_rpc` reaches these methods on every rank. The engine and the Serve replica call
 `tandem_fix_rejection_sampler` once vLLM has started, then `tandem_configure` to point the proposer at
-its drafter."""
+its drafter (vLLM's eagle3 method: `tandem_eagle_matches` to add tandem's matches to its drafts)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 
 from cluster.vllm.patch import fix_cpu_generators, fix_rejection_sampler, fix_state
 from cluster.vllm.proposer import PROPOSER_CLASS, TandemProposer
-from cluster.vllm.protocol import DrafterSpec
+from cluster.vllm.protocol import DrafterSpec, InlineMatches
 
 
 class TandemWorkerExtension:
@@ -29,8 +29,18 @@ class TandemWorkerExtension:
         proposer.configure(DrafterSpec.model_validate(spec), self.model_runner, get_tensor_model_parallel_rank())
         return {"rank": proposer.rank, "drafter": proposer.client.name if proposer.client else "none"}
 
+    def tandem_eagle_matches(self, matches: dict, gamma: int, schedule: list | None) -> dict:
+        """tandem's priced matches inside this rank's vLLM EAGLE-3 proposer (`cluster.vllm.eagle_matches`):
+        EAGLE-3 drafts `gamma` tokens (by batch size with `schedule`), a row whose match is expected to go further
+        gets the match."""
+        from cluster.vllm.eagle_matches import EagleMatches
+
+        EagleMatches(self.model_runner, InlineMatches.model_validate(matches), gamma, schedule).install()
+        return {"installed": True}
+
     def tandem_stats(self) -> dict:
-        return self._tandem_proposer().snapshot()
+        matches = getattr(self.model_runner, "_tandem_eagle_matches", None)
+        return matches.snapshot() if matches is not None else self._tandem_proposer().snapshot()
 
     def tandem_fix_rejection_sampler(self) -> dict:
         """Apply the guarded rejection-sampler fix in this worker (a no-op where it is not needed or

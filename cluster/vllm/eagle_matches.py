@@ -1,0 +1,180 @@
+"""tandem's free drafts inside vLLM's own EAGLE-3 proposer (proposer 'eagle3' on vLLM, `engine.eagle3_matches`).
+
+vLLM's eagle3 method drafts γ tokens a step for every request, from the target's three fused layers. A
+request whose own committed tokens repeat something (code, a list, a quoted prompt), or that repeats what a
+finished request wrote (the pool), has a free draft that is often right for much longer: the continuation of
+a priced suffix match (`drafts.suffix.PooledPricedMatch`, the same as proposer `suffix`'s). Per row and step
+the draft expected to have more tokens accepted is given to vLLM: the match's (up to `InlineMatches.max_tokens`),
+or EAGLE-3's γ tokens, its expectation the product of the acceptance rates learned per position from its own
+verdicts (`ChainAcceptance`). SuffixDecoding's hybrid with a speculator, inside one vLLM step.
+
+How: the worker extension (`tandem_eagle_matches`) wraps the model runner's `EagleProposer.propose` (`install`);
+vLLM's draft is made as ever (for every row: the EAGLE-3 layer's KV for the step's tokens stays written), then
+rows are replaced. What it needs from the engine: `num_speculative_tokens` the
+longest draft a row may take (the matches' length; EAGLE-3 itself drafts only γ, by batch size), and
+`disable_padded_drafter_batch` (`cluster.vllm.eagle3.eagle3_speculative_config`: drafts of any length per row, made after vLLM's bookkeeping, so the runner's
+input batch holds each request's committed tokens); the engine runs with synchronous scheduling (vLLM's async
+scheduler reserves exactly `num_speculative_tokens` slots per request).
+
+Lossless whatever it proposes: vLLM's eagle3 method verifies its drafts with one-hot q (draft_sample_method
+'greedy', checked at install), and the EAGLE-3 layer's state is rebuilt each step from the target's states for
+the tokens the target processed, so a row given a match's tokens drafts on from the committed tokens. Pooled
+drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
+0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
+and the step keeps vLLM's own drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+from cluster.vllm.proposer import InlineMatcher, may_pool, pool_finished
+from cluster.vllm.protocol import InlineMatches, RequestKey
+
+log = logging.getLogger(__name__)
+
+
+def gamma_for(schedule: list[list[int]] | None, gamma: int, rows: int) -> int:
+    """EAGLE-3's γ for a step of `rows` requests: the schedule's (first, last, γ) range holding it (the last range
+    past its end), never above `gamma`; `gamma` without a schedule."""
+    if not schedule:
+        return gamma
+    for first, last, g in schedule:
+        if first <= rows <= last:
+            return min(gamma, g)
+    return min(gamma, schedule[-1][2])
+
+
+class ChainAcceptance:
+    """A chain draft's acceptance rate per position (the chance token j is accepted when the ones before it were),
+    learned from verdicts with exponential forgetting from a prior; `expected(n)`: the tokens of an n-token draft
+    expected to be accepted."""
+
+    PRIOR_TRIALS = 4.0
+
+    def __init__(self, positions: int = 32, prior: float = 0.5, weight: float = 0.02):
+        self.weight = weight
+        self.hits = [prior * self.PRIOR_TRIALS] * positions
+        self.trials = [self.PRIOR_TRIALS] * positions
+
+    def expected(self, drafted: int) -> float:
+        p, total = 1.0, 0.0
+        for j in range(min(drafted, len(self.trials))):
+            p *= self.hits[j] / self.trials[j]
+            total += p
+        return total
+
+    def learn(self, drafted: int, accepted: int) -> None:
+        keep = 1.0 - self.weight
+        for j in range(min(accepted + 1, drafted, len(self.trials))):
+            self.trials[j] = self.trials[j] * keep + 1.0
+            self.hits[j] = self.hits[j] * keep + (1.0 if j < accepted else 0.0)
+
+
+class EagleMatches:
+    """The wrapper of one worker's `EagleProposer.propose` (`install`); `snapshot()`: its counters."""
+
+    def __init__(self, runner, matches: InlineMatches, gamma: int, schedule: list[list[int]] | None = None):
+        if matches.kind != "priced":
+            raise ValueError(f"EAGLE-3 with tandem's matches takes priced matches, not {matches.kind!r}")
+        self.runner, self.gamma, self.schedule = runner, gamma, schedule
+        self.matcher = InlineMatcher(matches)
+        self.chain = ChainAcceptance()
+        self.given: dict[str, tuple[int, list[int], int, bool, bool]] = {}  # rid -> (at, draft, match, pooled, is_match)
+        self.outputs: dict[str, tuple[int, list[int]]] = {}  # rid -> (prompt length, committed tokens), for the pool
+        self.stats: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        drafter = self.runner.drafter
+        method = getattr(drafter, "method", None)
+        spec = self.runner.speculative_config
+        if method != "eagle3" or not spec.disable_padded_drafter_batch:
+            raise RuntimeError(f"EAGLE-3 with tandem's matches needs vLLM's eagle3 method with "
+                               f"disable_padded_drafter_batch; this engine has {method!r}")
+        if getattr(spec, "draft_sample_method", "greedy") != "greedy":
+            raise RuntimeError("EAGLE-3 with tandem's matches needs one-hot drafts (draft_sample_method 'greedy')")
+        original = getattr(drafter, "_tandem_original_propose", None) or drafter.propose
+        drafter._tandem_original_propose = original
+
+        def propose(num_speculative_tokens, *args, **kwargs):
+            rows = len(self.runner.input_batch.req_ids)
+            drafts = original(min(num_speculative_tokens, gamma_for(self.schedule, self.gamma, rows)), *args, **kwargs)
+            try:
+                with self._lock:
+                    return self._merge(drafts.tolist(), num_speculative_tokens)
+            except Exception:  # noqa: BLE001 - an exception here would kill vLLM's engine
+                log.exception("tandem's matches in vLLM's EAGLE-3 proposer failed; EAGLE-3's drafts for this step")
+                self.stats["proposer_errors"] += 1
+                return drafts
+
+        drafter.propose = propose
+        self.runner._tandem_eagle_matches = self
+
+    def _merge(self, eagle: list[list[int]], limit: int) -> list[list[int]]:
+        batch = self.runner.input_batch
+        req_ids = batch.req_ids
+        self.stats["steps"] += 1
+        live = getattr(self.runner, "requests", None)
+        if live is not None:
+            live = set(live)
+            for rid in [r for r in self.given if r not in live]:
+                del self.given[rid]
+            if self.matcher.pool is not None:
+                self.stats["pool_outputs"] += pool_finished(self.outputs, live, self.matcher)
+        decoding = [i for i in range(len(req_ids)) if batch.num_tokens_no_spec[i] > batch.num_prompt_tokens[i]]
+        active = len(decoding)  # the step's decoding rows (what a verified token costs)
+        out = [list(row) for row in eagle]
+        for i in decoding:
+            rid = req_ids[i]
+            history = batch.token_ids_cpu[i, : int(batch.num_tokens_no_spec[i])].tolist()
+            self._verdict(rid, history)
+            self.stats["rows"] += 1
+            cap = RequestKey.parse(RequestKey.from_vllm(rid)).cap
+            cap = limit if cap is None else min(limit, cap)
+            if cap == 0:  # this request asked for plain decoding
+                self.stats["plain_rows"] += 1
+                out[i] = []
+                continue
+            if self.matcher.pool is not None:  # its output joins the pool when it ends
+                self.outputs[rid] = (self.outputs.get(rid, (int(batch.num_prompt_tokens[i]), None))[0], history)
+            row = out[i][:cap]
+            draft, match, pooled = self.matcher.propose(history, cap, active, may_pool(self.runner, rid, i))
+            if draft and self.matcher.pooled.expected(match, len(draft), pooled) > self.chain.expected(len(row)):
+                out[i] = draft
+                self.given[rid] = (len(history), draft, match, pooled, True)
+                self.stats["matched_rows"] += 1
+                self.stats["matched_tokens"] += len(draft)
+                self.stats["pooled_rows"] += int(pooled)
+            else:
+                out[i] = row
+                self.given[rid] = (len(history), row, 0, False, False)
+                self.stats["eagle_rows"] += 1
+                self.stats["eagle_tokens"] += len(row)
+            self.stats["drafted_rows" if out[i] else "empty_rows"] += 1
+        return out
+
+    def _verdict(self, rid: str, history: list[int]) -> None:
+        """What the target made of the draft `rid` was given at its last step: the drafted tokens the committed
+        history goes on with."""
+        given = self.given.pop(rid, None)
+        if given is None or not given[1]:
+            return
+        at, draft, match, pooled, is_match = given
+        accepted = 0
+        for j, token in enumerate(draft):
+            if at + j >= len(history) or history[at + j] != token:
+                break
+            accepted += 1
+        if is_match:
+            self.matcher.learn(match, len(draft), accepted, pooled)
+        else:
+            self.chain.learn(len(draft), accepted)
+        self.stats["verdict_drafted"] += len(draft)
+        self.stats["verdict_accepted"] += accepted
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.stats, eagle_expected=round(self.chain.expected(self.gamma), 3), pool_size=len(self.matcher.pool or ()))

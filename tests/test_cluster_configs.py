@@ -119,8 +119,11 @@ def test_auto_backend_is_chosen_deterministically_and_logged(monkeypatch, caplog
         with caplog.at_level(logging.INFO, logger="deployments.config"):
             caplog.clear()
             auto = TandemAppConfig.build({"engine": {"backend": "auto", "proposer": "auto"}})
-        # the proposer follows the engine: free priced matches on vLLM, the hybrid on the torch runner
-        assert auto.engine.proposer == ("suffix" if installed else "hybrid")
+        # the proposer follows the engine: vLLM's EAGLE-3 method with tandem's matches on the shipped draft on vLLM,
+        # the hybrid on the torch runner
+        assert auto.engine.proposer == ("eagle3" if installed else "hybrid")
+        if installed:
+            assert auto.engine.draft == "eagle3" and auto.engine.eagle3_matches
         assert f"engine.proposer auto: {auto.engine.proposer}" in caplog.text
     assert TandemAppConfig.build({"engine": {"backend": "torch"}}).engine.backend == "torch"  # explicit stays
 

@@ -129,3 +129,29 @@ def test_a_match_factor_keeps_a_draft_within_its_match_length():
     assert PricedMatch(max_tokens=8, threshold=0.01, match_factor=0.1).propose(tokens, 8) == (draft[:1], 2)  # one at least
     with pytest.raises(ValueError):
         PricedMatch(match_factor=-1.0)
+
+
+def test_expected_tokens_of_a_match_and_of_a_chain_follow_their_verdicts():
+    """What decides a row in vLLM's EAGLE-3 proposer (`cluster.vllm.eagle_matches`): a priced match's expected
+    accepted tokens (Σ_j Π_{i≤j} q[m][i]) against a chain draft's, both learned from verdicts."""
+    from cluster.vllm.eagle_matches import ChainAcceptance
+    from drafts.suffix import PooledPricedMatch, PricedMatch, SuffixPool
+
+    priced = PricedMatch()
+    q = [priced.q(6, j) for j in range(3)]
+    assert priced.expected(6, 3) == pytest.approx(q[0] + q[0] * q[1] + q[0] * q[1] * q[2])
+    assert priced.expected(6, 0) == 0 and priced.expected(1, 3) < priced.expected(6, 3)  # a longer match goes further
+    before = priced.expected(6, 4)
+    for _ in range(50):
+        priced.learn(6, 4, 0)  # always wrong at once
+    assert priced.expected(6, 4) < 0.3 * before
+    pooled = PooledPricedMatch(PricedMatch(), SuffixPool())
+    for _ in range(50):
+        pooled.learn(6, 4, 4, pooled=True)  # the pool's own table learns; the session's own stays at its prior
+    assert pooled.expected(6, 4, pooled=True) > pooled.expected(6, 4) == PricedMatch().expected(6, 4)
+    chain = ChainAcceptance(prior=0.5)
+    assert chain.expected(3) == pytest.approx(0.5 + 0.25 + 0.125) and chain.expected(0) == 0
+    for _ in range(200):
+        chain.learn(3, 1)  # the first token right, the second wrong: the third never tried
+    assert chain.expected(1) > 0.95 and chain.expected(3) - chain.expected(1) < 0.1
+    assert chain.trials[2] == ChainAcceptance.PRIOR_TRIALS  # an untried position keeps its prior

@@ -211,7 +211,8 @@ def test_tandem_side_names_become_serve_flags():
 
     assert has_plain_side("tandem") and has_plain_side("tandem_torch_eagle3") and has_plain_side("tandem_vllm+k=1")
     assert not has_plain_side("vllm") and not has_plain_side("tandem_vllm_none")
-    assert not has_plain_side("tandem_vllm_eagle3")  # vLLM's own method refuses a per-request draft length
+    assert has_plain_side("tandem_vllm_eagle3")  # with tandem's matches in vLLM's proposer, request caps hold
+    assert not has_plain_side("tandem_vllm_eagle3+eagle3_matches=false")  # vLLM's method alone refuses a cap
     for bad in ("tandem_gpu", "tandem_vllm_ngram_x", "vllm_tandem", "tandem_ngram_vllm", "tandem_torch+draft"):
         with pytest.raises(ValueError, match="unknown server"):
             tandem_flags(bad)

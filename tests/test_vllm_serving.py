@@ -151,23 +151,34 @@ def test_replicas_compile_the_model_unless_told_not_to():
 
 
 def test_gamma_by_batch_size_reaches_vllm_and_a_bad_schedule_is_refused():
-    """`vllm.speculative_schedule`: vLLM's γ by batch size, in the speculative config of either method."""
+    """`vllm.speculative_schedule`: γ by batch size, in vLLM's speculative config of either method; with tandem's
+    matches in vLLM's EAGLE-3 proposer (`eagle3_matches`, the default) the proposer applies it to EAGLE-3's own drafts
+    (`cluster.vllm.eagle_matches.gamma_for`), vLLM drafts per row (no padded batch, synchronous scheduling)."""
+    from cluster.vllm.eagle_matches import gamma_for
     from deployments.vllm_serving import llm_config
 
     schedule = [[5, 8, 1], [1, 2, 3], [3, 4, 2], [9, 9, 0]]
-    for proposer in ("suffix", "eagle3"):
-        config = TandemAppConfig.build({"engine": {"backend": "vllm", "proposer": proposer},
-                                        "vllm": {"speculative_schedule": schedule}})
+    bare = {"backend": "vllm", "proposer": "eagle3", "eagle3_matches": False}
+    for engine in ({"backend": "vllm", "proposer": "suffix"}, bare):
+        config = TandemAppConfig.build({"engine": engine, "vllm": {"speculative_schedule": schedule}})
         spec = llm_config(config).engine_kwargs["speculative_config"]
-        assert spec["num_speculative_tokens_per_batch_size"] == sorted(schedule), proposer
+        assert spec["num_speculative_tokens_per_batch_size"] == sorted(schedule), engine
     # 'auto' (the default): the measured schedule for vLLM's eagle3 method, none for tandem's proposer; null: none
     from deployments.config import EAGLE3_SCHEDULE
 
-    for proposer, expected in (("eagle3", [list(r) for r in EAGLE3_SCHEDULE]), ("suffix", None)):
+    for engine, expected in ((bare, [list(r) for r in EAGLE3_SCHEDULE]), ({"backend": "vllm", "proposer": "suffix"}, None)):
         for vllm, want in (({}, expected), ({"speculative_schedule": None}, None)):
-            config = TandemAppConfig.build({"engine": {"backend": "vllm", "proposer": proposer}, "vllm": vllm})
+            config = TandemAppConfig.build({"engine": engine, "vllm": vllm})
             spec = llm_config(config).engine_kwargs["speculative_config"]
-            assert spec.get("num_speculative_tokens_per_batch_size") == want, (proposer, vllm)
+            assert spec.get("num_speculative_tokens_per_batch_size") == want, (engine, vllm)
+    config = TandemAppConfig.build({"engine": {"backend": "vllm", "proposer": "eagle3"}})
+    kwargs = llm_config(config).engine_kwargs
+    spec = kwargs["speculative_config"]
+    assert "num_speculative_tokens_per_batch_size" not in spec and spec["disable_padded_drafter_batch"], spec
+    assert spec["num_speculative_tokens"] == config.engine.suffix_tokens and kwargs["async_scheduling"] is False
+    auto = config.vllm.schedule_for("eagle3")
+    assert [gamma_for(auto, 3, rows) for rows in (1, 2, 3, 4, 5, 8, 9, 64)] == [3, 3, 2, 2, 1, 1, 0, 0]
+    assert gamma_for(None, 3, 64) == 3 and gamma_for(auto, 1, 1) == 1  # never above the engine's γ
     for bad in ([[2, 4, 1]], [[1, 2, 3], [4, 5, 1]], [[1, 2, -1]], [[1, 0, 2]], "sometimes"):
         with pytest.raises(ConfigError, match="speculative_schedule"):
             TandemAppConfig.build({"engine": {"backend": "vllm"}, "vllm": {"speculative_schedule": bad}})
@@ -598,6 +609,7 @@ def test_eagle3_route_serves_the_targets_tokens(server, target_fp32, prompt_ids,
             assert spec["drafted"] == 0 if cap == 0 else 0 < spec["drafted"] <= len(tokens), (cap, spec)
         stats = serve.get_deployment_handle(VERIFIER, "e3").proposer_stats.remote().result()
         assert stats["eagle_rows"] > 0 and stats["plain_rows"] > 0 and not stats.get("proposer_errors"), stats
+        assert stats["eagle_skipped_steps"] > 0, stats  # the capped-at-0 request alone: no EAGLE-3 forward
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
         assert not any(n.startswith("tandem-vllm-drafter-e3-") for n in names), names
     finally:

@@ -341,10 +341,11 @@ def tandem_flags(name: str) -> list[str]:
 
 def has_plain_side(name: str) -> bool:
     """Whether a server gets a `_plain` side (plain decoding through it, `num_speculative_tokens: 0` per request):
-    a speculative tandem, except on vLLM's own eagle3 method, which refuses a per-request draft length."""
+    a speculative tandem, except on vLLM's own eagle3 method without tandem's matches (`eagle3_matches=false`),
+    which refuses a per-request draft length."""
     base = name.split("+")[0]
     return base.startswith("tandem") and not base.endswith("_none") and not (
-        base.endswith("_eagle3") and "_torch" not in base)
+        base.endswith("_eagle3") and "_torch" not in base and "+eagle3_matches=false" in name.lower())
 
 
 def tandem_argv(config: str, port: int, grpc_port: int, flags: Sequence[str] = ()) -> list[str]:

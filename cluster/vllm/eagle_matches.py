@@ -18,7 +18,10 @@ scheduler reserves exactly `num_speculative_tokens` slots per request).
 
 Lossless whatever it proposes: vLLM's eagle3 method verifies its drafts with one-hot q (draft_sample_method
 'greedy', checked at install), and the EAGLE-3 layer's state is rebuilt each step from the target's states for
-the tokens the target processed, so a row given a match's tokens drafts on from the committed tokens. Pooled
+the tokens the target processed, so a row given a match's tokens drafts on from the committed tokens. A busy step
+(γ 0 by the schedule, or every request capped at 0) runs no EAGLE-3 forward at all (its cost, ~6% of a 16-stream
+step here, BENCHMARKS.md); the requests in it keep only matches from then on, as their draft KV misses those
+tokens. Pooled
 drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
 0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
 and the step keeps vLLM's own drafts.
@@ -84,6 +87,7 @@ class EagleMatches:
         self.chain = ChainAcceptance()
         self.given: dict[str, tuple[int, list[int], int, bool, bool]] = {}  # rid -> (at, draft, match, pooled, is_match)
         self.outputs: dict[str, tuple[int, list[int]]] = {}  # rid -> (prompt length, committed tokens), for the pool
+        self.stale: set[str] = set()  # requests that lived through a step without EAGLE-3's forward: matches only
         self.stats: Counter = Counter()
         self._lock = threading.Lock()
 
@@ -100,18 +104,29 @@ class EagleMatches:
         drafter._tandem_original_propose = original
 
         def propose(num_speculative_tokens, *args, **kwargs):
-            rows = len(self.runner.input_batch.req_ids)
-            drafts = original(min(num_speculative_tokens, gamma_for(self.schedule, self.gamma, rows)), *args, **kwargs)
+            req_ids = list(self.runner.input_batch.req_ids)
+            gamma = min(num_speculative_tokens, gamma_for(self.schedule, self.gamma, len(req_ids)), self._widest_cap(req_ids))
+            if gamma == 0:  # a busy step: no EAGLE-3 forward at all; these requests' draft KV misses this step's tokens
+                self.stale.update(req_ids)
+                self.stats["eagle_skipped_steps"] += 1
+                drafts = [[] for _ in req_ids]
+            else:
+                drafts = original(gamma, *args, **kwargs).tolist()
             try:
                 with self._lock:
-                    return self._merge(drafts.tolist(), num_speculative_tokens)
+                    return self._merge(drafts, num_speculative_tokens)
             except Exception:  # noqa: BLE001 - an exception here would kill vLLM's engine
                 log.exception("tandem's matches in vLLM's EAGLE-3 proposer failed; EAGLE-3's drafts for this step")
                 self.stats["proposer_errors"] += 1
-                return drafts
+                return [[] if rid in self.stale else row for rid, row in zip(req_ids, drafts)]
 
         drafter.propose = propose
         self.runner._tandem_eagle_matches = self
+
+    def _widest_cap(self, req_ids) -> int:
+        """The largest draft any of these requests takes (`RequestKey` caps; none: no limit): EAGLE-3 drafts no more."""
+        caps = [RequestKey.parse(RequestKey.from_vllm(rid)).cap for rid in req_ids]
+        return self.gamma if any(c is None for c in caps) else max(caps, default=0)
 
     def _merge(self, eagle: list[list[int]], limit: int) -> list[list[int]]:
         batch = self.runner.input_batch
@@ -122,6 +137,7 @@ class EagleMatches:
             live = set(live)
             for rid in [r for r in self.given if r not in live]:
                 del self.given[rid]
+            self.stale &= live
             if self.matcher.pool is not None:
                 self.stats["pool_outputs"] += pool_finished(self.outputs, live, self.matcher)
         decoding = [i for i in range(len(req_ids)) if batch.num_tokens_no_spec[i] > batch.num_prompt_tokens[i]]
@@ -140,7 +156,7 @@ class EagleMatches:
                 continue
             if self.matcher.pool is not None:  # its output joins the pool when it ends
                 self.outputs[rid] = (self.outputs.get(rid, (int(batch.num_prompt_tokens[i]), None))[0], history)
-            row = out[i][:cap]
+            row = [] if rid in self.stale else out[i][:cap]
             draft, match, pooled = self.matcher.propose(history, cap, active, may_pool(self.runner, rid, i))
             if draft and self.matcher.pooled.expected(match, len(draft), pooled) > self.chain.expected(len(row)):
                 out[i] = draft

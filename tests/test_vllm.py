@@ -690,7 +690,7 @@ def test_eagle3_with_tandems_matches_is_lossless(path, prompts, reference, tmp_p
     (`cluster.vllm.eagle_matches`). With an untrained draft (mostly wrong: a match wins wherever there is one) both
     kinds of rows are drafted; fp32 greedy output is vLLM's target-only output; sampled tokens 1 and 2 (temperature
     1, top-k 6) follow transformers' fp32 p(t1)·p(t2|t1) (chi-square), token 2 often a match's draft where the prompt
-    repeats itself."""
+    repeats itself. A request's first step alone drafts nothing (EAGLE-3's pass over its prompt only)."""
     from cluster.vllm.eagle3 import eagle3_speculative_config
     from drafts.eagle3_model import Eagle3Draft, export_vllm
 
@@ -717,6 +717,7 @@ def test_eagle3_with_tandems_matches_is_lossless(path, prompts, reference, tmp_p
             assert engine.generate(prompts[name], GREEDY).token_ids == reference[name], name
         stats = engine.proposer_stats()
         assert stats["eagle_rows"] > 0 and stats["matched_rows"] > 0 and stats["matched_tokens"] > 0, stats
+        assert stats["eagle_first_steps"] >= len(prompts), stats  # each prompt's first token: EAGLE-3's KV, no drafts
         assert stats["pool_outputs"] >= len(prompts) - 1 and not stats.get("proposer_errors"), stats
         before, rows = engine.spec_metrics(), engine.proposer_stats()["matched_rows"]
         pairs = _sample_pairs(engine, prompt, n, top_k)

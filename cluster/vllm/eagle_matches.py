@@ -21,7 +21,8 @@ Lossless whatever it proposes: vLLM's eagle3 method verifies its drafts with one
 the tokens the target processed, so a row given a match's tokens drafts on from the committed tokens. A busy step
 (γ 0 by the schedule, or every request capped at 0) runs no EAGLE-3 forward at all (its cost, ~6% of a 16-stream
 step here, BENCHMARKS.md); the requests in it keep only matches from then on, as their draft KV misses those
-tokens. Pooled
+tokens. A step whose requests all just sampled their first token (one stream's first step) runs EAGLE-3's KV pass
+over the prompts and drafts nothing: the first token leaves sooner (TTFT). Pooled
 drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
 0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
 and the step keeps vLLM's own drafts.
@@ -110,6 +111,9 @@ class EagleMatches:
                 self.stale.update(req_ids)
                 self.stats["eagle_skipped_steps"] += 1
                 drafts = [[] for _ in req_ids]
+            elif self._first_tokens_only():  # EAGLE-3's KV for the prompts, no drafts: the first token leaves sooner
+                self.stats["eagle_first_steps"] += 1
+                drafts = original(0, *args, **kwargs).tolist()
             else:
                 drafts = original(gamma, *args, **kwargs).tolist()
             try:
@@ -122,6 +126,12 @@ class EagleMatches:
 
         drafter.propose = propose
         self.runner._tandem_eagle_matches = self
+
+    def _first_tokens_only(self) -> bool:
+        """Whether every request of the step is prefilling or has just sampled its first token (vLLM sends that
+        token when the step, drafts included, is done: drafting then only delays it)."""
+        batch = self.runner.input_batch
+        return all(batch.num_tokens_no_spec[i] <= batch.num_prompt_tokens[i] + 1 for i in range(len(batch.req_ids)))
 
     def _widest_cap(self, req_ids) -> int:
         """The largest draft any of these requests takes (`RequestKey` caps; none: no limit): EAGLE-3 drafts no more."""

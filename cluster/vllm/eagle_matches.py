@@ -34,7 +34,7 @@ import logging
 import threading
 from collections import Counter
 
-from cluster.vllm.proposer import InlineMatcher, may_pool, pool_finished
+from cluster.vllm.proposer import InlineMatcher, may_pool
 from cluster.vllm.protocol import InlineMatches, RequestKey
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,6 @@ class EagleMatches:
         self.matcher = InlineMatcher(matches)
         self.chain = ChainAcceptance()
         self.given: dict[str, tuple[int, list[int], int, bool, bool]] = {}  # rid -> (at, draft, match, pooled, is_match)
-        self.outputs: dict[str, tuple[int, list[int]]] = {}  # rid -> (prompt length, committed tokens), for the pool
         self.stale: set[str] = set()  # requests that lived through a step without EAGLE-3's forward: matches only
         self.stats: Counter = Counter()
         self._lock = threading.Lock()
@@ -105,20 +104,26 @@ class EagleMatches:
         drafter._tandem_original_propose = original
 
         def propose(num_speculative_tokens, *args, **kwargs):
-            req_ids = list(self.runner.input_batch.req_ids)
-            gamma = min(num_speculative_tokens, gamma_for(self.schedule, self.gamma, len(req_ids)), self._widest_cap(req_ids))
+            batch = self.runner.input_batch
+            req_ids = list(batch.req_ids)
+            # per row: its draft cap (`RequestKey`; None: none) and the tokens it has sampled so far (0: prefilling)
+            caps = [RequestKey.parse(RequestKey.from_vllm(rid)).cap for rid in req_ids]
+            sampled = (batch.num_tokens_no_spec[:len(req_ids)] - batch.num_prompt_tokens[:len(req_ids)]).tolist()
+            widest = self.gamma if any(c is None for c in caps) else max(caps, default=0)  # EAGLE-3 drafts no more
+            gamma = min(num_speculative_tokens, gamma_for(self.schedule, self.gamma, len(req_ids)), widest)
             if gamma == 0:  # a busy step: no EAGLE-3 forward at all; these requests' draft KV misses this step's tokens
                 self.stale.update(req_ids)
                 self.stats["eagle_skipped_steps"] += 1
                 drafts = [[] for _ in req_ids]
-            elif self._first_tokens_only():  # EAGLE-3's KV for the prompts, no drafts: the first token leaves sooner
+            elif max(sampled, default=0) <= 1:  # every row prefilling or at its first token (vLLM sends that token when
+                # the step, drafts included, is done): EAGLE-3's KV for the prompts, no drafts, the first token sooner
                 self.stats["eagle_first_steps"] += 1
                 drafts = original(0, *args, **kwargs).tolist()
             else:
                 drafts = original(gamma, *args, **kwargs).tolist()
             try:
                 with self._lock:
-                    return self._merge(drafts, num_speculative_tokens)
+                    return self._merge(drafts, num_speculative_tokens, caps, sampled)
             except Exception:  # noqa: BLE001 - an exception here would kill vLLM's engine
                 log.exception("tandem's matches in vLLM's EAGLE-3 proposer failed; EAGLE-3's drafts for this step")
                 self.stats["proposer_errors"] += 1
@@ -127,18 +132,7 @@ class EagleMatches:
         drafter.propose = propose
         self.runner._tandem_eagle_matches = self
 
-    def _first_tokens_only(self) -> bool:
-        """Whether every request of the step is prefilling or has just sampled its first token (vLLM sends that
-        token when the step, drafts included, is done: drafting then only delays it)."""
-        batch = self.runner.input_batch
-        return all(batch.num_tokens_no_spec[i] <= batch.num_prompt_tokens[i] + 1 for i in range(len(batch.req_ids)))
-
-    def _widest_cap(self, req_ids) -> int:
-        """The largest draft any of these requests takes (`RequestKey` caps; none: no limit): EAGLE-3 drafts no more."""
-        caps = [RequestKey.parse(RequestKey.from_vllm(rid)).cap for rid in req_ids]
-        return self.gamma if any(c is None for c in caps) else max(caps, default=0)
-
-    def _merge(self, eagle: list[list[int]], limit: int) -> list[list[int]]:
+    def _merge(self, eagle: list[list[int]], limit: int, caps: list[int | None], sampled: list[int]) -> list[list[int]]:
         batch = self.runner.input_batch
         req_ids = batch.req_ids
         self.stats["steps"] += 1
@@ -148,9 +142,8 @@ class EagleMatches:
             for rid in [r for r in self.given if r not in live]:
                 del self.given[rid]
             self.stale &= live
-            if self.matcher.pool is not None:
-                self.stats["pool_outputs"] += pool_finished(self.outputs, live, self.matcher)
-        decoding = [i for i in range(len(req_ids)) if batch.num_tokens_no_spec[i] > batch.num_prompt_tokens[i]]
+            self.stats["pool_outputs"] += self.matcher.pool_finished(live)
+        decoding = [i for i in range(len(req_ids)) if sampled[i] > 0]
         active = len(decoding)  # the step's decoding rows (what a verified token costs)
         out = [list(row) for row in eagle]
         for i in decoding:
@@ -158,16 +151,15 @@ class EagleMatches:
             history = batch.token_ids_cpu[i, : int(batch.num_tokens_no_spec[i])].tolist()
             self._verdict(rid, history)
             self.stats["rows"] += 1
-            cap = RequestKey.parse(RequestKey.from_vllm(rid)).cap
-            cap = limit if cap is None else min(limit, cap)
+            cap = limit if caps[i] is None else min(limit, caps[i])
             if cap == 0:  # this request asked for plain decoding
                 self.stats["plain_rows"] += 1
                 out[i] = []
                 continue
-            if self.matcher.pool is not None:  # its output joins the pool when it ends
-                self.outputs[rid] = (self.outputs.get(rid, (int(batch.num_prompt_tokens[i]), None))[0], history)
+            self.matcher.track(rid, int(batch.num_prompt_tokens[i]), history)  # its output joins the pool when it ends
             row = [] if rid in self.stale else out[i][:cap]
-            draft, match, pooled = self.matcher.propose(history, cap, active, may_pool(self.runner, rid, i))
+            use_pool = self.matcher.pool is not None and may_pool(self.runner, rid, i)
+            draft, match, pooled = self.matcher.propose(history, cap, active, use_pool)
             if draft and self.matcher.pooled.expected(match, len(draft), pooled) > self.chain.expected(len(row)):
                 out[i] = draft
                 self.given[rid] = (len(history), draft, match, pooled, True)

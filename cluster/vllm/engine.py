@@ -134,11 +134,10 @@ class VLLMEngine:
                  num_speculative_tokens: int = 3, drafter: DrafterSpec | None = None, tensor_parallel_size: int = 1,
                  max_model_len: int = 2048, seed: int = 0, max_ngram: int = 3, cache_dir: str | None = None,
                  enforce_eager: bool = True, llm_kwargs: dict | None = None, eagle3_dir: str | None = None,
-                 eagle3_matches: InlineMatches | None = None, eagle3_schedule: list[list[int]] | None = None):
+                 eagle3_matches: InlineMatches | None = None):
         """`drafter`: the drafter for `method="tandem"` (reconfigurable with `configure`); `eagle3_dir`: the
         exported draft for `method="eagle3"`, `eagle3_matches` tandem's priced matches in its proposer
-        (`cluster.vllm.eagle_matches`; EAGLE-3 then drafts `num_speculative_tokens`, by batch size with
-        `eagle3_schedule`). `llm_kwargs` go to `vllm.LLM` as they are (e.g. `gpu_memory_utilization`)."""
+        (`cluster.vllm.eagle_matches`; EAGLE-3 then drafts `num_speculative_tokens` at any batch size). `llm_kwargs` go to `vllm.LLM` as they are (e.g. `gpu_memory_utilization`)."""
         if method not in METHODS:
             raise ConfigError(f"unknown vLLM speculative method {method!r}; choose one of {METHODS}")
         if method == "eagle3":
@@ -187,7 +186,7 @@ class VLLMEngine:
         self.eagle3_matches = method == "eagle3" and eagle3_matches is not None
         if self.eagle3_matches:
             self.llm.collective_rpc("tandem_eagle_matches", args=(eagle3_matches.model_dump(mode="json"),
-                                                                  num_speculative_tokens, eagle3_schedule))
+                                                                  num_speculative_tokens, None))
         self.drafter_spec = None
         if method == "tandem" and drafter is not None:
             self.configure(drafter)
@@ -327,8 +326,7 @@ class VLLMDecoder:
     """`build_decoder`'s answer for `backend: vllm`: `.tokenizer`, `.generate(prompt_ids, params)`,
     `.stats()`, `.shutdown()` (with `distributed`, the drafter is the remote actor on Ray)."""
 
-    def __init__(self, config, distributed: bool = False, eagle3_schedule: list[list[int]] | None = None,
-                 **engine_kwargs):
+    def __init__(self, config, distributed: bool = False, **engine_kwargs):
         self.remote = None
         spec = None
         eagle3 = config.proposer == EAGLE3 and config.num_speculative_tokens > 0  # vLLM's own method, no drafter
@@ -344,8 +342,7 @@ class VLLMDecoder:
                                      num_speculative_tokens=config.num_speculative_tokens if eagle3
                                      else engine_draft_tokens(config), drafter=spec,
                                      eagle3_dir=config.draft if eagle3 else None,
-                                     eagle3_matches=inline_matches(config) if eagle3 else None,
-                                     eagle3_schedule=eagle3_schedule, **engine_kwargs)
+                                     eagle3_matches=inline_matches(config) if eagle3 else None, **engine_kwargs)
         except BaseException:
             if self.remote is not None:
                 self.remote.shutdown()

@@ -82,7 +82,6 @@ class TandemProposer:
         self._drafter_part: dict | None = None
         self._match: InlineMatcher | None = None  # the inline matches of `spec.matches` (None: none)
         self._verdicts: dict[str, tuple[int, int, bool]] = {}  # key -> (match, tokens, pooled) of the inline draft last given
-        self._outputs: dict[str, tuple[int, list[int]]] = {}  # key -> (prompt length, committed tokens) for the pool
         self.stats: Counter = Counter()
         self._lock = threading.Lock()
 
@@ -105,7 +104,6 @@ class TandemProposer:
         self.max_k = self.k if spec.max_k is None else min(self.k, spec.max_k)
         self._match = InlineMatcher(spec.matches) if rank == 0 and spec.matches is not None else None
         self._verdicts.clear()
-        self._outputs.clear()
         self.stats = Counter()
         if not keep:
             self.client = make_client(spec) if rank == 0 else None
@@ -157,7 +155,8 @@ class TandemProposer:
             live = {self._key(r) for r in live}
             for key in [k for k in self._verdicts if k not in live]:
                 del self._verdicts[key]
-            self.stats["pool_outputs"] += pool_finished(self._outputs, live, self._match)
+            if self._match is not None:
+                self.stats["pool_outputs"] += self._match.pool_finished(live)
             for session in [s for s in self.sessions if s not in live]:  # finished or aborted
                 if self.sessions.pop(session).started and not self.spec.registered:
                     self.client.release(session)  # a registered session is released by its front door
@@ -190,11 +189,9 @@ class TandemProposer:
                     self._match.learn(given[0], given[1], accepted, given[2])
                     self.stats["inline_verdicts"] += 1
                     self.stats["inline_verdict_accepted"] += accepted
-                pool = self._match.pool is not None
-                if pool:  # the request's output joins the pool when it ends (its prompt: what it had at first sight)
-                    prompt, _ = self._outputs.get(key, (len(history) - num_new, None))
-                    self._outputs[key] = (prompt, history)
-                draft, match, pooled = self._match.propose(history, limit, active, pool and may_pool(self.runner, req_ids[i], i))
+                self._match.track(key, len(history) - num_new, history)
+                use_pool = self._match.pool is not None and may_pool(self.runner, req_ids[i], i)
+                draft, match, pooled = self._match.propose(history, limit, active, use_pool)
                 if draft:
                     self._verdicts[key] = (match, len(draft), pooled)
                     self.stats["pooled_rows"] += int(pooled)
@@ -328,7 +325,8 @@ class TandemProposer:
 class InlineMatcher:
     """The inline matches of an `InlineMatches`: `propose(history, limit, rows, use_pool)` -> (draft, match
     length, pooled), `learn(match, drafted, accepted, pooled)` (only priced matches learn); priced matches with
-    `pool_tokens` also draw on the pool of finished requests' outputs (`pool`)."""
+    `pool_tokens` also draw on the pool of finished requests' outputs (`pool`): each request's tokens are
+    `track`ed while it runs and pooled once it is gone (`pool_finished`)."""
 
     def __init__(self, matches: InlineMatches):
         self.matches = matches
@@ -338,6 +336,7 @@ class InlineMatcher:
         self.pool = SuffixPool(matches.pool_tokens, matches.max_ngram, matches.max_match) \
             if self.priced is not None and matches.pool_tokens else None
         self.pooled = PooledPricedMatch(self.priced, self.pool) if self.priced is not None else None
+        self.outputs: dict[str, tuple[int, list[int]]] = {}  # request -> (prompt length, committed tokens), for the pool
 
     def propose(self, history: list[int], limit: int, rows: int, use_pool: bool = False) -> tuple[list[int], int, bool]:
         if self.pooled is not None:
@@ -350,6 +349,20 @@ class InlineMatcher:
         if self.pooled is not None:
             self.pooled.learn(match, drafted, accepted, pooled)
 
+    def track(self, key: str, prompt: int, history: list[int]) -> None:
+        """Request `key`'s committed tokens so far (its prompt: the first `prompt` of them when first tracked); its
+        output joins the pool when it ends. Nothing without a pool."""
+        if self.pool is not None:
+            self.outputs[key] = (self.outputs.get(key, (prompt, None))[0], history)
+
+    def pool_finished(self, live: set[str]) -> int:
+        """Tracked requests no longer `live` (finished or aborted): their outputs join the pool. How many."""
+        gone = [k for k in self.outputs if k not in live]
+        for key in gone:
+            prompt, history = self.outputs.pop(key)
+            self.pool.add(history[prompt:])
+        return len(gone)
+
 
 def may_pool(runner, rid: str, row: int) -> bool:
     """Whether row `row` (vLLM's request `rid`) may take another request's output as its draft: a greedy one,
@@ -360,16 +373,6 @@ def may_pool(runner, rid: str, row: int) -> bool:
     if greedy is None or seeded is None:  # a runner that does not say: no pooled drafts
         return False
     return rid in greedy or row not in seeded
-
-
-def pool_finished(outputs: dict[str, tuple[int, list[int]]], live: set[str], matcher: "InlineMatcher | None") -> int:
-    """Requests of `outputs` (key -> (prompt length, committed tokens)) no longer `live` (finished or aborted): their
-    outputs join the matcher's pool, and they leave `outputs`. How many were pooled."""
-    gone = [k for k in outputs if k not in live]
-    for key in gone:
-        prompt, history = outputs.pop(key)
-        matcher.pool.add(history[prompt:])
-    return len(gone)
 
 
 PROPOSER_CLASS = f"{TandemProposer.__module__}.{TandemProposer.__qualname__}"  # vLLM's `speculative_config.model`

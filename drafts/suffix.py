@@ -128,21 +128,25 @@ class PricedMatch:
     (`weight`) and started from a prior that rises with m. A draft keeps token j while
     q[m][0]·…·q[m][j] (the chance token j is accepted at all, the tokens it adds in expectation)
     stays at or above the price: `threshold` for one row, plus `per_row` for every further row of the
-    step (a fuller batch makes each verified token dearer). `match_factor` (when > 0) also keeps a draft
+    step (a fuller batch makes each verified token dearer); from `busy_rows` rows on (when > 0) the price is
+    `BUSY_PRICE`, near-certain tokens only (on vLLM's CPU step at 16 rows even 0.7 lost, BENCHMARKS.md).
+    `match_factor` (when > 0) also keeps a draft
     no longer than that many times its match (SuffixDecoding's spec factor: a short match rarely goes on
     long). Lossless like every match: the drafts depend only on the committed tokens and the learned
     table, never on the target's output."""
 
     PRIOR_TRIALS = 4.0  # weight of the prior, in verdicts
+    BUSY_PRICE = 0.95  # the highest price: a token drafted only when it is near-certain
 
     def __init__(self, max_tokens: int = 16, max_match: int = 16, max_ngram: int = 3, threshold: float = 0.1,
-                 per_row: float = 0.04, weight: float = 0.02, match_factor: float = 0.0):
+                 per_row: float = 0.04, weight: float = 0.02, match_factor: float = 0.0, busy_rows: int = 0):
         if not (max_tokens >= 1 and max_match >= max_ngram >= 1 and 0 < threshold < 1 and per_row >= 0
-                and 0 < weight < 1 and match_factor >= 0):
+                and 0 < weight < 1 and match_factor >= 0 and busy_rows >= 0):
             raise ValueError("PricedMatch needs max_tokens >= 1, max_match >= max_ngram >= 1, 0 < threshold < 1, "
-                             "per_row >= 0, 0 < weight < 1 and match_factor >= 0")
+                             "per_row >= 0, 0 < weight < 1, match_factor >= 0 and busy_rows >= 0")
         self.max_tokens, self.max_match, self.max_ngram = max_tokens, max_match, max_ngram
         self.threshold, self.per_row, self.weight, self.match_factor = threshold, per_row, weight, match_factor
+        self.busy_rows = busy_rows
         self._hits = [[self.prior(m, j) * self.PRIOR_TRIALS for j in range(max_tokens)] for m in range(max_match + 1)]
         self._trials = [[self.PRIOR_TRIALS] * max_tokens for _ in range(max_match + 1)]
 
@@ -154,7 +158,9 @@ class PricedMatch:
         return first if j == 0 else first + 0.4 * (1.0 - first)
 
     def price(self, rows: int = 1) -> float:
-        return min(0.95, self.threshold + self.per_row * max(0, rows - 1))
+        if self.busy_rows and rows >= self.busy_rows:
+            return self.BUSY_PRICE
+        return min(self.BUSY_PRICE, self.threshold + self.per_row * max(0, rows - 1))
 
     def q(self, m: int, j: int) -> float:
         return self._hits[m][j] / self._trials[m][j]
@@ -280,7 +286,7 @@ class PooledPricedMatch:
         self.own, self.pool = own, pool
         self.pooled = None if pool is None else PricedMatch(
             own.max_tokens, pool.max_match, min(own.max_ngram, pool.ngram), own.threshold, own.per_row, own.weight,
-            own.match_factor)
+            own.match_factor, own.busy_rows)
 
     def propose(self, tokens: Sequence[int], limit: int, rows: int = 1, use_pool: bool = True
                 ) -> tuple[list[int], int, bool]:

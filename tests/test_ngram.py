@@ -51,6 +51,9 @@ def test_priced_match_drafts_what_pays_and_learns_from_verdicts():
     assert match == 3 and draft == [4, 5, 6, 7, 8, 9][:len(draft)] and len(draft) >= 2  # the prior lets it draft
     assert priced.propose(tokens, 1)[0] == [4]  # the limit
     assert len(priced.propose(tokens, 6, rows=16)[0]) < len(draft)  # a full batch prices tokens higher
+    busy = PricedMatch(max_tokens=6, max_match=8, threshold=0.1, per_row=0.05, busy_rows=9)
+    assert busy.price(8) == priced.price(8) < busy.price(9) == PricedMatch.BUSY_PRICE  # near-certain from 9 rows
+    assert busy.propose(tokens, 6, rows=9) == ([], 3)  # a 3-token match's prior (0.71) is not near-certain
     for _ in range(300):  # 3-token matches never right: their drafts stop
         priced.learn(3, len(draft), 0)
     assert priced.propose(tokens, 6) == ([], 3)
@@ -155,3 +158,42 @@ def test_expected_tokens_of_a_match_and_of_a_chain_follow_their_verdicts():
         chain.learn(3, 1)  # the first token right, the second wrong: the third never tried
     assert chain.expected(1) > 0.95 and chain.expected(3) - chain.expected(1) < 0.1
     assert chain.trials[2] == ChainAcceptance.PRIOR_TRIALS  # an untried position keeps its prior
+
+
+def test_eagle3_forward_runs_only_for_rows_that_can_take_its_drafts():
+    """vLLM's EAGLE-3 forward (`EagleMatches`' wrapped `propose`) runs only while some row may take its drafts: a row
+    is stale (a busy step without the forward left its draft KV behind) or capped at 0 (plain decoding). The runner
+    is a stand-in for vLLM's GPU model runner (named so): the attributes the wrapper reads, and a fake `propose`."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cluster.vllm.eagle_matches import EagleMatches
+    from cluster.vllm.protocol import InlineMatches
+
+    calls = []
+
+    class FakeEagleProposer:  # test double of vLLM's EagleProposer: counts its forwards, drafts 7s
+        method = "eagle3"
+
+        def propose(self, num_speculative_tokens, *args, **kwargs):
+            calls.append(num_speculative_tokens)
+            return np.full((len(batch.req_ids), num_speculative_tokens), 7)
+
+    prompt, out = [1, 2, 3, 4], [5, 6, 8, 9]  # no repeat: no match anywhere
+    batch = SimpleNamespace(req_ids=["a", "b~k0"], num_prompt_tokens=np.array([4, 4]),
+                            num_tokens_no_spec=np.array([8, 8]), token_ids_cpu=np.array([prompt + out] * 2),
+                            greedy_reqs=set(), generators={})
+    runner = SimpleNamespace(drafter=FakeEagleProposer(), input_batch=batch, requests={"a": 1, "b~k0": 1},
+                             speculative_config=SimpleNamespace(disable_padded_drafter_batch=True,
+                                                                draft_sample_method="greedy"))
+    matches = EagleMatches(runner, InlineMatches(kind="priced", max_tokens=16), gamma=3)
+    matches.install()
+    assert runner.drafter.propose(16) == [[7, 7, 7], []] and calls == [3]  # "a" drafts; "b" asked for plain decoding
+    matches.stale.add("a")  # "a" lived through a step without the forward
+    assert runner.drafter.propose(16) == [[], []] and calls == [3]  # no row can take EAGLE-3's drafts: no forward
+    assert matches.snapshot()["eagle_skipped_steps"] == 1
+    batch.req_ids, runner.requests = ["a", "b~k0", "c"], {"a": 1, "b~k0": 1, "c": 1}  # a fresh request joins
+    batch.num_prompt_tokens, batch.num_tokens_no_spec = np.array([4, 4, 4]), np.array([8, 8, 8])
+    batch.token_ids_cpu = np.array([prompt + out] * 3)
+    assert runner.drafter.propose(16) == [[], [], [7, 7, 7]] and calls == [3, 3]

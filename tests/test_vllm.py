@@ -607,10 +607,11 @@ def test_finished_requests_outputs_draft_for_greedy_and_unseeded_requests():
 
 def test_inline_matches_of_a_tandem_config():
     suffix = EngineConfig(proposer="suffix", num_speculative_tokens=3, match_tokens=16)
-    assert inline_matches(suffix) == InlineMatches(kind="priced", max_tokens=16, pool_tokens=65536)
+    assert inline_matches(suffix) == InlineMatches(kind="priced", max_tokens=16, pool_tokens=65536, busy_rows=9)
     assert inline_matches(suffix.model_copy(update={"suffix_pool_tokens": 0})).pool_tokens == 0
-    tuned = inline_matches(suffix.model_copy(update={"suffix_threshold": 0.05, "suffix_match_factor": 1.0}))
-    assert tuned.threshold == 0.05 and tuned.match_factor == 1.0
+    tuned = inline_matches(suffix.model_copy(update={"suffix_threshold": 0.05, "suffix_match_factor": 1.0,
+                                                     "suffix_busy_rows": 0}))
+    assert tuned.threshold == 0.05 and tuned.match_factor == 1.0 and tuned.busy_rows == 0
     assert engine_draft_tokens(suffix) == 16 and not drafter_spec(suffix).has_drafter
     assert inline_matches(EngineConfig(proposer="ngram", num_speculative_tokens=5, max_ngram=4)) == \
         InlineMatches(kind="lookup", max_tokens=5, max_ngram=4)

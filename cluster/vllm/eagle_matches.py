@@ -111,6 +111,8 @@ class EagleMatches:
             sampled = (batch.num_tokens_no_spec[:len(req_ids)] - batch.num_prompt_tokens[:len(req_ids)]).tolist()
             widest = self.gamma if any(c is None for c in caps) else max(caps, default=0)  # EAGLE-3 drafts no more
             gamma = min(num_speculative_tokens, gamma_for(self.schedule, self.gamma, len(req_ids)), widest)
+            if not any(c != 0 and rid not in self.stale for rid, c in zip(req_ids, caps)):
+                gamma = 0  # no row would take EAGLE-3's drafts (stale or plain): the forward would be wasted
             if gamma == 0:  # a busy step: no EAGLE-3 forward at all; these requests' draft KV misses this step's tokens
                 self.stale.update(req_ids)
                 self.stats["eagle_skipped_steps"] += 1

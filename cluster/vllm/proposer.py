@@ -331,7 +331,8 @@ class InlineMatcher:
     def __init__(self, matches: InlineMatches):
         self.matches = matches
         self.priced = PricedMatch(matches.max_tokens, matches.max_match, matches.max_ngram, matches.threshold,
-                                  matches.per_row, match_factor=matches.match_factor) if matches.kind == "priced" else None
+                                  matches.per_row, match_factor=matches.match_factor, busy_rows=matches.busy_rows) \
+            if matches.kind == "priced" else None
         self.own = OwnMatch(matches.max_tokens, matches.min_match, matches.max_ngram) if matches.kind == "own" else None
         self.pool = SuffixPool(matches.pool_tokens, matches.max_ngram, matches.max_match) \
             if self.priced is not None and matches.pool_tokens else None

@@ -55,7 +55,8 @@ class InlineMatches(BaseModel):
       to the drafter;
     - `priced`: proposer `suffix` (`drafts.suffix.PricedMatch`): the longest match's continuation, cut where
       a further token's learned chance of acceptance falls below its verify price (`threshold`, plus
-      `per_row` for each further row of the step), up to `max_tokens`."""
+      `per_row` for each further row of the step; near-certain tokens only from `busy_rows` rows on), up to
+      `max_tokens`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -66,6 +67,7 @@ class InlineMatches(BaseModel):
     max_match: int = Field(16, ge=1, le=64, description="`priced` only: how far back a match is extended (longer ones share its table row).")
     threshold: float = Field(0.1, gt=0, lt=1, description="`priced` only: the price of one verified token at one row, in tokens gained.")
     per_row: float = Field(0.04, ge=0, le=1, description="`priced` only: the price's rise per further row of the step.")
+    busy_rows: int = Field(0, ge=0, le=4096, description="`priced` only: from this many rows in a step, a token is drafted only when near-certain (`PricedMatch.BUSY_PRICE`); 0: the price only rises by `per_row`.")
     match_factor: float = Field(0.0, ge=0, le=8, description="`priced` only: a draft at most this many times its match long (0: no such cap).")
     pool_tokens: int = Field(0, ge=0, le=1 << 22, description="`priced` only: finished requests' outputs kept, in tokens, where a request's own tokens match nothing as long (`drafts.suffix.SuffixPool`; greedy and unseeded requests only); 0: none.")
 
@@ -168,6 +170,7 @@ def inline_matches(config: EngineConfig) -> InlineMatches | None:
     if config.proposer == "suffix" or (config.proposer == EAGLE3 and config.eagle3_matches):
         return InlineMatches(kind="priced", max_tokens=config.suffix_tokens, max_ngram=config.max_ngram,
                              threshold=config.suffix_threshold, match_factor=config.suffix_match_factor,
+                             busy_rows=config.suffix_busy_rows,
                              pool_tokens=config.suffix_pool_tokens)
     own = OwnMatch.for_rounds(config.match_tokens, gamma, max_ngram=config.max_ngram) \
         if config.proposer == "hybrid" and config.own_matches else None

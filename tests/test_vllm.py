@@ -420,8 +420,9 @@ def test_sampled_inline_lookup_has_the_target_distribution(spec, path, proposer)
     top_k, n = 6, 500
     expected, _ = _expected_pairs(path, prompt, top_k)
     drafts = drafter_spec(EngineConfig(proposer=proposer, num_speculative_tokens=1)).tuned(wait_s=5.0)
-    if proposer == "suffix":  # the 500 requests share steps: unpriced per row, or a full step would draft nothing
-        drafts = drafts.tuned(matches=drafts.matches.model_copy(update={"per_row": 0.0}))
+    if proposer == "suffix":  # the 500 requests share steps: unpriced per row (no busy price either), or a full
+        # step would draft nothing
+        drafts = drafts.tuned(matches=drafts.matches.model_copy(update={"per_row": 0.0, "busy_rows": 0}))
     spec.configure(drafts)
     before = spec.spec_metrics()
     pairs = _sample_pairs(spec, prompt, n, top_k)

@@ -19,6 +19,15 @@ import json
 import os
 import time
 
+from cluster.core.config import EngineConfig
+from cluster.core.sampling import SamplingParams
+from cluster.core.workloads import humaneval_prompts
+from cluster.model import models
+from cluster.model.models import encode_prompt
+from cluster.vllm.engine import VLLMEngine
+from cluster.vllm.protocol import inline_matches
+from deployments.config import EAGLE3_SCHEDULE
+
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -30,15 +39,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--eager", action="store_true", help="vLLM's enforce_eager (the server compiles)")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-
-    from cluster.core.config import EngineConfig
-    from cluster.core.sampling import SamplingParams
-    from cluster.core.workloads import humaneval_prompts
-    from cluster.model import models
-    from cluster.model.models import encode_prompt
-    from cluster.vllm.engine import VLLMEngine
-    from cluster.vllm.protocol import inline_matches
-    from deployments.config import EAGLE3_SCHEDULE
 
     path = models.prepare_default_model(None)
     tokenizer = models.load_tokenizer(path)

@@ -19,7 +19,8 @@ scheduler reserves exactly `num_speculative_tokens` slots per request).
 Lossless whatever it proposes: vLLM's eagle3 method verifies its drafts with one-hot q (draft_sample_method
 'greedy', checked at install), and the EAGLE-3 layer's state is rebuilt each step from the target's states for
 the tokens the target processed, so a row given a match's tokens drafts on from the committed tokens. A busy step
-(γ 0 by the schedule, or every request capped at 0) runs no EAGLE-3 forward at all (its cost, ~6% of a 16-stream
+(γ 0 by the schedule, or no request that could take EAGLE-3's drafts: each one capped at 0 or stale, below) runs no
+EAGLE-3 forward at all (its cost, ~6% of a 16-stream
 step here, BENCHMARKS.md); the requests in it keep only matches from then on, as their draft KV misses those
 tokens. A step whose requests all just sampled their first token (one stream's first step) runs EAGLE-3's KV pass
 over the prompts and drafts nothing: the first token leaves sooner (TTFT). Pooled

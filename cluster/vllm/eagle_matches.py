@@ -20,11 +20,10 @@ Lossless whatever it proposes: vLLM's eagle3 method verifies its drafts with one
 'greedy', checked at install), and the EAGLE-3 layer's state is rebuilt each step from the target's states for
 the tokens the target processed, so a row given a match's tokens drafts on from the committed tokens. A busy step
 (γ 0 by the schedule, or no request that could take EAGLE-3's drafts: each one capped at 0 or stale, below) runs no
-EAGLE-3 forward at all (its cost, ~6% of a 16-stream
-step here, BENCHMARKS.md); the requests in it keep only matches from then on, as their draft KV misses those
-tokens. A step whose requests all just sampled their first token (one stream's first step) runs EAGLE-3's KV pass
-over the prompts and drafts nothing: the first token leaves sooner (TTFT). Pooled
-drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
+EAGLE-3 forward at all (its cost, ~6% of a 16-stream step here, BENCHMARKS.md); the requests in it keep only
+matches from then on, as their draft KV misses those tokens. A step whose requests all just sampled their first
+token (one stream's first step) runs EAGLE-3's KV pass over the prompts and drafts nothing: the first token leaves
+sooner (TTFT). Pooled drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
 0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
 and the step keeps vLLM's own drafts.
 """
@@ -110,10 +109,10 @@ class EagleMatches:
             # per row: its draft cap (`RequestKey`; None: none) and the tokens it has sampled so far (0: prefilling)
             caps = [RequestKey.parse(RequestKey.from_vllm(rid)).cap for rid in req_ids]
             sampled = (batch.num_tokens_no_spec[:len(req_ids)] - batch.num_prompt_tokens[:len(req_ids)]).tolist()
-            widest = self.gamma if any(c is None for c in caps) else max(caps, default=0)  # EAGLE-3 drafts no more
+            # EAGLE-3 drafts no more than the rows that can take its drafts allow (none: no forward at all)
+            takers = [c for rid, c in zip(req_ids, caps) if c != 0 and rid not in self.stale]
+            widest = self.gamma if None in takers else max(takers, default=0)
             gamma = min(num_speculative_tokens, gamma_for(self.schedule, self.gamma, len(req_ids)), widest)
-            if not any(c != 0 and rid not in self.stale for rid, c in zip(req_ids, caps)):
-                gamma = 0  # no row would take EAGLE-3's drafts (stale or plain): the forward would be wasted
             if gamma == 0:  # a busy step: no EAGLE-3 forward at all; these requests' draft KV misses this step's tokens
                 self.stale.update(req_ids)
                 self.stats["eagle_skipped_steps"] += 1

@@ -185,3 +185,21 @@ def test_training_lowers_the_loss_resumes_and_exports(tmp_path):
 def test_a_run_without_data_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="manifest"):
         train(tiny_llama(0, vocab_size=16), _Tok(), tmp_path / "o", Eagle3Config(data=str(tmp_path)))
+
+
+def test_fit_sets_are_greedy_training_answers_spread_over_the_shards(tmp_path):
+    """tools.eagle3_fit scores a draft on answers it trained on: greedy chat samples of the draft's own shards,
+    one a shard first, each cut to its prompt and its answer's first `tokens` tokens."""
+    from tools.draftdata.shards import read_shard
+    from tools.eagle3_fit import trained_shards, training_sets
+
+    _dataset(tmp_path, tiny_llama(0, vocab_size=16), n=4, shards=3)
+    names = trained_shards({"shards": 3})
+    assert names == ["shard-000000.npz", "shard-000001.npz", "shard-000002.npz"]
+    assert trained_shards({"shards": names[:2]}) == names[:2]
+    sets = training_sets(tmp_path, names, samples=3, tokens=8)
+    assert sets["train_code"] == []  # no code sample in this data
+    firsts = [read_shard(tmp_path / name) for name in names]
+    assert sets["train_chat"] == [(4, shard.sample(0)[:4 + 8]) for shard in firsts]  # one from each shard
+    assert len(training_sets(tmp_path, names, samples=5, tokens=8)["train_chat"]) == 5  # then more a shard
+    assert training_sets(tmp_path, names, samples=3, tokens=17)["train_chat"] == []  # answers of 16 tokens

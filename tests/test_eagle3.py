@@ -191,12 +191,13 @@ def test_fit_sets_are_greedy_training_answers_spread_over_the_shards(tmp_path):
     """tools.eagle3_fit scores a draft on answers it trained on: greedy chat samples of the draft's own shards,
     one a shard first, each cut to its prompt and its answer's first `tokens` tokens."""
     from tools.draftdata.shards import read_shard
-    from tools.eagle3_fit import trained_shards, training_sets
+    from tools.eagle3_fit import trained_shards, training_sets, unseen_shards
 
     _dataset(tmp_path, tiny_llama(0, vocab_size=16), n=4, shards=3)
     names = trained_shards({"shards": 3})
     assert names == ["shard-000000.npz", "shard-000001.npz", "shard-000002.npz"]
     assert trained_shards({"shards": names[:2]}) == names[:2]
+    assert unseen_shards(tmp_path, names[:2]) == names[2:] and unseen_shards(tmp_path, names) == []
     sets = training_sets(tmp_path, names, samples=3, tokens=8)
     assert sets["train_code"] == []  # no code sample in this data
     firsts = [read_shard(tmp_path / name) for name in names]

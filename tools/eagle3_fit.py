@@ -27,7 +27,7 @@ import torch
 from cluster.model import models
 from drafts.eagle3_model import META, load_eagle3
 from drafts.training.feature_draft import _eval_sets
-from tools.draftdata.shards import read_shard
+from tools.draftdata.shards import Manifest, read_shard
 from tools.eagle3 import evaluate
 
 KINDS = {"train_chat": ("magpie", "topic"), "train_code": ("code",)}
@@ -66,6 +66,12 @@ def trained_shards(data: dict) -> list[str]:
     return list(shards) if isinstance(shards, list) else [f"shard-{i:06d}.npz" for i in range(int(shards))]
 
 
+def unseen_shards(data: Path, trained: list[str]) -> list[str]:
+    """The finished shards of `data`'s manifest that are not among `trained`, in order."""
+    seen = set(trained)
+    return [s.file for s in Manifest.load(data).shards if s.file not in seen]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True, help="a tandem EAGLE-3 directory (tools.eagle3's export)")
@@ -75,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=int, default=0,
                         help="take the training sets from the draft's first N shards only (0: all it names), e.g. "
                              "those every run of a warm-started chain trained on")
+    parser.add_argument("--unseen", action="store_true",
+                        help="also the same sets from the data's shards the draft did not train on (`unseen_chat`, "
+                             "`unseen_code`): held out, but drawn as the training data was")
     parser.add_argument("--eval-humaneval", type=int, default=8)
     parser.add_argument("--eval-chat", type=int, default=8)
     parser.add_argument("--cache-dir", default="~/.cache/tandem/eagle3/fit", help="the held-out sets are kept here")
@@ -94,10 +103,16 @@ def main(argv: list[str] | None = None) -> None:
     shards = trained_shards(meta["data"])[: args.shards or None]
     sets = {**training_sets(Path(args.data), shards, args.samples, args.tokens),
             **_eval_sets(target, models.load_tokenizer(path), shape, cache)}
+    unseen = unseen_shards(Path(args.data), trained_shards(meta["data"])) if args.unseen else []
+    if args.unseen:
+        if not unseen:
+            raise SystemExit(f"{args.data}: every shard its manifest lists was trained on; nothing unseen")
+        sets.update({k.replace("train_", "unseen_"): v
+                     for k, v in training_sets(Path(args.data), unseen, args.samples, args.tokens).items()})
     features = copy.deepcopy(target).to(torch.bfloat16).eval()
     scores = evaluate(features, draft, sets, 5, bf16=True)
     report = {"draft": str(draft_dir), "steps": meta.get("steps"), "answer_tokens": meta["data"].get("answer_tokens"),
-              "shards": len(trained_shards(meta["data"])), "sets_from_shards": len(shards), "samples": {k: len(v) for k, v in sets.items()},
+              "shards": len(trained_shards(meta["data"])), "sets_from_shards": len(shards), "unseen_shards": len(unseen), "samples": {k: len(v) for k, v in sets.items()},
               "tokens": args.tokens, "scores": scores}
     print(json.dumps(report, indent=1))
     if args.json:

@@ -96,10 +96,9 @@ SERVE_PROMPTS = [
 @contextlib.contextmanager
 def serve_app(**overrides):
     """ray_config.yaml's application on a local Ray (127.0.0.1, free ports), its `args` overridden
-    by `overrides`; yields the endpoints, shuts Ray down afterwards: the local cluster is this module's alone, so
-    Serve's actors end with it (`serve.shutdown()` first took 11.7 s of graceful replica drains, `ray.shutdown()`
-    alone 1.6 s, no process left; a vLLM replica's engine is stopped by its reaper, `cluster.vllm.reaper`)."""
+    by `overrides`; yields the endpoints, shuts Serve and Ray down afterwards."""
     import ray
+    from ray import serve
 
     from cluster.ray.runtime import free_port, init_local_ray
     from deployments.serving import DEFAULT_CONFIG, load_config, start
@@ -108,6 +107,7 @@ def serve_app(**overrides):
     try:
         yield start(load_config(DEFAULT_CONFIG, overrides=overrides), http_port=free_port(), grpc_port=free_port())
     finally:
+        serve.shutdown()
         ray.shutdown()
 
 

@@ -100,10 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     shape = SimpleNamespace(eval_humaneval=args.eval_humaneval, eval_chat=args.eval_chat,
                             eval_new_tokens=args.tokens)
-    shards = trained_shards(meta["data"])[: args.shards or None]
+    trained = trained_shards(meta["data"])
+    shards = trained[: args.shards or None]
     sets = {**training_sets(Path(args.data), shards, args.samples, args.tokens),
             **_eval_sets(target, models.load_tokenizer(path), shape, cache)}
-    unseen = unseen_shards(Path(args.data), trained_shards(meta["data"])) if args.unseen else []
+    unseen = unseen_shards(Path(args.data), trained) if args.unseen else []
     if args.unseen:
         if not unseen:
             raise SystemExit(f"{args.data}: every shard its manifest lists was trained on; nothing unseen")
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     features = copy.deepcopy(target).to(torch.bfloat16).eval()
     scores = evaluate(features, draft, sets, 5, bf16=True)
     report = {"draft": str(draft_dir), "steps": meta.get("steps"), "answer_tokens": meta["data"].get("answer_tokens"),
-              "shards": len(trained_shards(meta["data"])), "sets_from_shards": len(shards), "unseen_shards": len(unseen), "samples": {k: len(v) for k, v in sets.items()},
+              "shards": len(trained), "sets_from_shards": len(shards), "unseen_shards": len(unseen), "samples": {k: len(v) for k, v in sets.items()},
               "tokens": args.tokens, "scores": scores}
     print(json.dumps(report, indent=1))
     if args.json:

@@ -15,7 +15,7 @@ def deployment_options(spec: DeploymentSpec, name: str, policy: str | None = Non
     """Serve's options for a deployment `spec` describes (replicas or autoscaling with `policy`, queues)."""
     return {"name": name, "max_ongoing_requests": spec.max_ongoing_requests,
             "max_queued_requests": spec.max_queued_requests, "health_check_period_s": spec.health_check_period_s,
-            **spec.replica_options(policy)}
+            "graceful_shutdown_wait_loop_s": spec.graceful_shutdown_wait_loop_s, **spec.replica_options(policy)}
 
 
 def router_options(config: TandemAppConfig) -> dict:

@@ -66,6 +66,7 @@ class DeploymentSpec(BaseModel):
     placement: PlacementConfig = Field(default_factory=lambda: PlacementConfig(num_cpus=0.0),
                                        description="Resources per replica (per rank for the verifier pool; of the drafter actor for the drafter).")
     health_check_period_s: float = Field(10.0, gt=0, le=600, description="How often Serve checks each replica (its `health_check_period_s`): a replica whose process died is replaced at the first check after its death, one that fails its check after three in a row.")
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0, le=60, description="How often a stopping replica checks whether its requests have finished (Serve's `graceful_shutdown_wait_loop_s`, its default 2 s): a replica waits at least this long before it stops, and Serve stops an application's deployments one after another.")
 
     def replica_options(self, policy: str | None = None) -> dict[str, Any]:
         if self.autoscaling is not None:

@@ -100,6 +100,7 @@ def llm_config(config: TandemAppConfig):
                   # Serve LLM's own health-check timeout is 10 s: a CPU replica busy stepping (a drafter being
                   # replaced, another job on the machine) can take longer to answer, and three misses stop it
                   "health_check_period_s": spec.health_check_period_s, "health_check_timeout_s": 60, "ray_actor_options": {"num_cpus": 0},
+                  "graceful_shutdown_wait_loop_s": spec.graceful_shutdown_wait_loop_s,
                   **spec.replica_options()}
     return LLMConfig(model_loading_config={"model_id": config.model_id, "model_source": str(path)},
                      callback_config={"callback_class": LOCAL_MODEL_CALLBACK},

@@ -422,3 +422,17 @@ def test_health_check_period_reaches_each_deployment():
     assert deployment_options(config.verifier, "VerifierPool")["health_check_period_s"] == 3
     assert deployment_options(config.drafter, "DrafterPool")["health_check_period_s"] == 10
     assert llm_config(config.with_backend("vllm")).deployment_config["health_check_period_s"] == 3
+
+
+def test_drain_loop_reaches_each_deployment():
+    """`graceful_shutdown_wait_loop_s` per deployment goes to Serve's options; Serve's own 2 s where it is not set."""
+    from deployments.assembly import deployment_options, router_options
+    from deployments.config import TandemAppConfig
+    from deployments.vllm_serving import llm_config
+
+    config = TandemAppConfig.build({"router": {"graceful_shutdown_wait_loop_s": 0.5},
+                                    "verifier": {"graceful_shutdown_wait_loop_s": 0.25}})
+    assert router_options(config)["graceful_shutdown_wait_loop_s"] == 0.5
+    assert deployment_options(config.verifier, "VerifierPool")["graceful_shutdown_wait_loop_s"] == 0.25
+    assert deployment_options(config.ingress, "Ingress")["graceful_shutdown_wait_loop_s"] == 2.0
+    assert llm_config(config.with_backend("vllm")).deployment_config["graceful_shutdown_wait_loop_s"] == 0.25

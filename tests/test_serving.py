@@ -346,7 +346,10 @@ def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, refe
 
     from deployments.builder import build_app
 
-    serve.run(build_app({"engine": {"dtype": "float32", "threads": 1, "proposer": "none"}, "tensor_parallel_size": 3}),
+    # its replica checked each 2 s: one whose follower died fails three checks in a row before Serve replaces it
+    serve.run(build_app({"engine": {"dtype": "float32", "threads": 1, "proposer": "none"}, "tensor_parallel_size": 3,
+                         "verifier": {"placement": {"num_cpus": 1}, "max_ongoing_requests": 32, "health_check_period_s": 2,
+                                      "graceful_shutdown_wait_loop_s": 0.2}}),
               name="tp", route_prefix="/tp")
     try:
         groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]

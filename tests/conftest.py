@@ -22,8 +22,9 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if _WORKER e
 
 # The longest modules first (measured: a clean-clone run, --durations; `make test` keeps this order with
 # --no-loadscope-reorder, xdist would otherwise start the modules with the most tests), so that two workers finish
-# together instead of one running the last long module alone.
-LONGEST_FIRST = ("test_greedy_equality", "test_distributed", "test_failover", "test_sampling_e2e", "test_vllm",
+# together instead of one running the last long module alone. test_vllm second: test_distributed, third, decodes 7
+# of test_greedy_equality's prompts, whose references are then in the cache (started beside it, it computed them too).
+LONGEST_FIRST = ("test_greedy_equality", "test_vllm", "test_distributed", "test_failover", "test_sampling_e2e",
                  "test_serving", "test_bad_input", "test_drafts", "test_hybrid", "test_vllm_serving", "test_vllm_apart",
                  "test_feature_draft", "test_fuzz", "test_eagle3_serving", "test_feature_serving", "test_logprobs",
                  "test_processors")

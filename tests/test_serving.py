@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from cluster.core.errors import ConfigError
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
-from tests.helpers import SERVE_PROMPTS, assert_text_options, serve_app
+from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, serve_app
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_prompt_logprobs import assert_echo_and_scoring
 
@@ -525,10 +525,15 @@ def _environ(pid: int, names) -> dict[str, str]:
 
 def test_serve_processes_run_with_the_shipped_serve_settings(server):
     """`SERVE_THROUGHPUT_ENV` (the throughput mode, the controller's 1 s loop) is in the environment of the
-    processes that read it: Serve's controller, its proxy and the replicas of this application."""
+    processes that read it: Serve's controller, its proxy and the replicas of this application; a value the
+    operator set first is kept (the tests' applications set the controller's loop: `TEST_SERVE_ENV`)."""
     from ray._private.state import actors
 
-    from cluster.ray.runtime import LOCAL_SERVE_ENV as SERVE_THROUGHPUT_ENV  # on one machine: direct ingress on
+    from cluster.ray.runtime import LOCAL_SERVE_ENV, serve_environment
+
+    assert serve_environment(local=True) == LOCAL_SERVE_ENV  # this process: nothing set, the shipped values
+    assert all(LOCAL_SERVE_ENV[k] != v for k, v in TEST_SERVE_ENV.items())
+    SERVE_THROUGHPUT_ENV = {**LOCAL_SERVE_ENV, **TEST_SERVE_ENV}  # on one machine: direct ingress on
 
     serve_actors = [a for a in actors(actor_state_name="ALIVE").values()
                     if a["ActorClassName"] in ("ServeController", "ProxyActor")

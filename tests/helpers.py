@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 
+import psutil
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -123,8 +125,26 @@ def serve_app(**overrides):
     try:
         yield start(load_config(DEFAULT_CONFIG, overrides=overrides), http_port=free_port(), grpc_port=free_port())
     finally:
+        processes = _cluster_processes()
         serve.shutdown()
         ray.shutdown()
+        # the replicas' own children (vLLM's engine processes, GBs each) may outlive the raylet for a moment: the next
+        # module's Ray starts once they are gone (one full run lost a Ray start right after a vLLM module's teardown)
+        _, alive = psutil.wait_procs(processes, timeout=20)
+        if alive:
+            warnings.warn(f"{len(alive)} processes of the stopped cluster still alive after 20 s: {alive}")
+
+
+def _cluster_processes() -> list:
+    """Every process under this driver's raylet: Ray's workers and what they started."""
+    import ray
+    from ray._private import ray_constants
+
+    try:
+        raylet = ray._private.worker._global_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        return psutil.Process(raylet).children(recursive=True)
+    except (AttributeError, IndexError, KeyError, psutil.Error):
+        return []
 
 
 def assert_text_options(client, model: str, tokenizer, prompt: str, ref_text: str, max_tokens: int) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 
-import psutil
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from cluster.vllm import reaper
 from drafts.proposer import DraftProposal, SequenceProposer
 
 
@@ -130,21 +131,25 @@ def serve_app(**overrides):
         ray.shutdown()
         # the replicas' own children (vLLM's engine processes, GBs each) may outlive the raylet for a moment: the next
         # module's Ray starts once they are gone (one full run lost a Ray start right after a vLLM module's teardown)
-        _, alive = psutil.wait_procs(processes, timeout=20)
+        deadline = time.monotonic() + 20
+        while (alive := [pid for pid, started in processes.items() if reaper.alive(pid, started)]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
         if alive:
             warnings.warn(f"{len(alive)} processes of the stopped cluster still alive after 20 s: {alive}")
 
 
-def _cluster_processes() -> list:
-    """Every process under this driver's raylet: Ray's workers and what they started."""
+def raylet_pid() -> int:
+    """The pid of this driver's local raylet."""
     import ray
     from ray._private import ray_constants
 
-    try:
-        raylet = ray._private.worker._global_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-        return psutil.Process(raylet).children(recursive=True)
-    except (AttributeError, IndexError, KeyError, psutil.Error):
-        return []
+    return ray._private.worker._global_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+
+
+def _cluster_processes() -> dict[int, int | None]:
+    """{pid: start time} of every process under this driver's raylet: Ray's workers and what they started."""
+    return {pid: reaper.start_time(pid) for pid in reaper.descendants(raylet_pid())}
 
 
 def assert_text_options(client, model: str, tokenizer, prompt: str, ref_text: str, max_tokens: int) -> None:

@@ -16,9 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster.core.errors import ConfigError
+from deployments.config import TandemAppConfig
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
-from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, serve_app
+from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, raylet_pid, serve_app
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_prompt_logprobs import assert_echo_and_scoring
 
@@ -348,8 +349,8 @@ def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, refe
 
     # its replica checked each 2 s: one whose follower died fails three checks in a row before Serve replaces it
     serve.run(build_app({"engine": {"dtype": "float32", "threads": 1, "proposer": "none"}, "tensor_parallel_size": 3,
-                         "verifier": {"placement": {"num_cpus": 1}, "max_ongoing_requests": 32, "health_check_period_s": 2,
-                                      "graceful_shutdown_wait_loop_s": 0.2}}),
+                         "verifier": TandemAppConfig().verifier.model_copy(update={
+                             "health_check_period_s": 2, "graceful_shutdown_wait_loop_s": 0.2}).model_dump(mode="json")}),
               name="tp", route_prefix="/tp")
     try:
         groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
@@ -551,8 +552,7 @@ def test_a_ray_on_one_machine_keeps_no_idle_workers_waiting(server):
     from cluster.ray.runtime import LOCAL_RAY_ENV
     from cluster.vllm import reaper
 
-    node = ray._private.worker._global_node
-    raylet = node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    raylet = raylet_pid()
     assert _environ(raylet, LOCAL_RAY_ENV) == LOCAL_RAY_ENV
     workers = reaper.children_of(raylet)
     titles = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode() for pid in workers]

@@ -11,9 +11,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+import cluster
 from cluster.model import models
 from cluster.model.runner import TorchModelRunner
 from drafts.draft_model import quantized_copy
+
+# The Ray clusters the tests start from this process need grpcio's fork handlers off (cluster/__init__.py: with them
+# on, a raylet started beside the tests' gRPC clients may die before its exec)
+assert not cluster.GRPC_FORK_HANDLERS_ON, "grpcio imported before `cluster`, or GRPC_ENABLE_FORK_SUPPORT set on"
 
 # `make test` runs two pytest workers (pytest-xdist, one module per worker at a time) on this 2-core
 # machine: one torch thread each (a decode step is as fast on one thread as on two here).

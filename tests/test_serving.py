@@ -527,14 +527,18 @@ def _environ(pid: int, names) -> dict[str, str]:
 def test_serve_processes_run_with_the_shipped_serve_settings(server):
     """`SERVE_THROUGHPUT_ENV` (the throughput mode, the controller's 1 s loop) is in the environment of the
     processes that read it: Serve's controller, its proxy and the replicas of this application; a value the
-    operator set first is kept (the tests' applications set the controller's loop: `TEST_SERVE_ENV`)."""
+    operator set first is kept (the tests' applications set the controller's loop: `TEST_SERVE_ENV`). With them,
+    gRPC's fork handlers off (`cluster.GRPC_FORK_ENV`): these processes import grpcio (Serve's) before tandem's
+    modules."""
     from ray._private.state import actors
 
+    from cluster import GRPC_FORK_ENV
     from cluster.ray.runtime import LOCAL_SERVE_ENV, serve_environment
 
     assert serve_environment(local=True) == LOCAL_SERVE_ENV  # this process: nothing set, the shipped values
     assert all(LOCAL_SERVE_ENV[k] != v for k, v in TEST_SERVE_ENV.items())
-    SERVE_THROUGHPUT_ENV = {**LOCAL_SERVE_ENV, **TEST_SERVE_ENV}  # on one machine: direct ingress on
+    # on one machine: direct ingress on
+    SERVE_THROUGHPUT_ENV = {**LOCAL_SERVE_ENV, **TEST_SERVE_ENV, **GRPC_FORK_ENV}
 
     serve_actors = [a for a in actors(actor_state_name="ALIVE").values()
                     if a["ActorClassName"] in ("ServeController", "ProxyActor")

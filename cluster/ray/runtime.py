@@ -22,7 +22,8 @@ from ray._private import ray_constants
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster import TELEMETRY_OFF
+import cluster
+from cluster import GRPC_FORK_ENV, TELEMETRY_OFF
 from cluster.core.config import EngineConfig, PlacementConfig, check_tp_placement
 from cluster.core.errors import ConfigError, validation_message
 from cluster.model import models
@@ -80,8 +81,13 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
     # Ray read that variable when it was imported; a process that imported ray before `cluster` would
     # otherwise put the node on the machine's own address (Ray resolves 127.0.0.1 to it)
     ray_constants.ENABLE_RAY_CLUSTER = False
+    if cluster.GRPC_FORK_HANDLERS_ON:
+        log.warning("grpcio runs its fork handlers in this process (imported before `cluster`, or "
+                    "GRPC_ENABLE_FORK_SUPPORT set on): a Ray process started here may die before it starts "
+                    "(grpc/grpc#43055; see cluster/__init__.py)")
     # CPUs are logical here: actors are mostly waiting, and each pins its own torch threads.
-    env = {**LOOPBACK_ONLY_ENV, **serve_environment(local=True), **local_ray_environment()}
+    env = {**LOOPBACK_ONLY_ENV, **serve_environment(local=True), **local_ray_environment(),
+           **_environment_kept(GRPC_FORK_ENV)}  # Ray's workers import grpcio (Serve's) before any module of ours
     with environment(env):  # what Ray's processes (started here) inherit
         ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
                  include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,

@@ -130,7 +130,8 @@ def serve_app(**overrides):
         serve.shutdown()
         ray.shutdown()
         # the replicas' own children (vLLM's engine processes, GBs each) may outlive the raylet for a moment: the next
-        # module's Ray starts once they are gone (one full run lost a Ray start right after a vLLM module's teardown)
+        # module's Ray starts once they are gone and their memory is back. (The Ray starts two runs lost right after
+        # a teardown were grpcio's fork handlers killing the new raylet, not these: cluster/__init__.py.)
         deadline = time.monotonic() + 20
         while (alive := [pid for pid, started in processes.items() if reaper.alive(pid, started)]) and \
                 time.monotonic() < deadline:

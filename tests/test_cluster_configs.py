@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 
 from deployments.serving import DEFAULT_CONFIG, load_config
@@ -208,3 +209,40 @@ def test_children_started_beside_busy_grpc_channels_all_run():
     assert _forking("cluster", "grpc") == ("False", 0)
     # grpcio imported first runs its handlers: the flag `init_local_ray` warns on
     assert _forking("grpc", "cluster")[0] == "True"
+
+
+def test_a_failed_ray_start_says_what_its_session_logs_show(tmp_path, monkeypatch, caplog):
+    """`init_local_ray` logs, with Ray's error, what the newest Ray session of this process wrote: here a GCS
+    log and no raylet log (as in the two lost starts), while another process's newer session is left out."""
+    import logging
+
+    import ray
+
+    from cluster.ray import runtime, startup
+
+    ours = tmp_path / f"session_2026-12-06_08-50-08_737980_{os.getpid()}" / "logs"
+    (tmp_path / f"session_2026-12-06_08-41-00_689028_{os.getpid()}" / "logs").mkdir(parents=True)  # an earlier one
+    other = tmp_path / "session_2026-12-06_08-50-09_000000_1" / "logs"
+    for logs in (ours, other):
+        logs.mkdir(parents=True)
+        (logs / "gcs_server.out").write_text("GcsServer server started\n")
+    (other / "raylet.out").write_text("Setting cluster ID\n")
+    report = startup.startup_report(str(tmp_path))
+    assert ours.parent.name in report and other.parent.name not in report
+    assert "gcs_server.out: written" in report and "raylet.out: none" in report
+    assert "the raylet wrote no log" in report
+    (ours / "raylet.err").write_text("".join(f"line {i}\n" for i in range(30)))
+    report = startup.startup_report(str(tmp_path))
+    assert "line 29" in report and "line 10" in report and "line 9\n" not in report  # its last 20 lines
+    assert "no Ray session of this process" in startup.startup_report(str(tmp_path / "none"))
+
+    def init(**kwargs):
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(runtime, "startup_report", lambda: report)
+    with caplog.at_level(logging.ERROR, logger=runtime.__name__), pytest.raises(Exception, match="timed out"):
+        runtime.init_local_ray()
+    assert "Ray did not start on this machine: The current node timed out" in caplog.text
+    assert report in caplog.text

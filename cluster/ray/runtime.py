@@ -33,6 +33,7 @@ from cluster.model.tensor_parallel import TPLeaderRunner, follow, load_tp_model
 from cluster.model.verifier import VerifierEngine
 from cluster.ray.drafter import launch_drafter
 from cluster.ray.router import Router
+from cluster.ray.startup import startup_report
 from cluster.session.loop import LoopConfig
 from cluster.wire.transport import LOOPBACK, Endpoint, advertised_endpoint, bind_host, server_credentials
 from cluster.wire.verifier_pool import VerifierReplicaHandle
@@ -89,9 +90,13 @@ def init_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
     env = {**LOOPBACK_ONLY_ENV, **serve_environment(local=True), **local_ray_environment(),
            **_environment_kept(GRPC_FORK_ENV)}  # Ray's workers import grpcio (Serve's) before any module of ours
     with environment(env):  # what Ray's processes (started here) inherit
-        ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
-                 include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", **env}})
+        try:
+            ray.init(num_cpus=num_cpus or max(16, os.cpu_count() or 1), num_gpus=num_gpus, resources=resources,
+                     include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=True,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", **env}})
+        except Exception as e:
+            log.error("Ray did not start on this machine: %s\n%s", e, startup_report())
+            raise
 
 
 # Ray Serve's throughput-optimized mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED`, Serve's own documented setting, read

@@ -1,4 +1,4 @@
-"""The verifier pool and the drafter pool as Serve deployments, and the routers' view of them.
+"""The verifier pool and the drafter pool as Serve deployments (the routers' view of them: `deployments.leases`).
 
 A session holds a *lease* on one replica of each: a streaming call that yields where to reach the
 replica (the verifier's `cluster.wire.transport.Endpoint`: its node's address, plus its TLS root when TLS
@@ -10,7 +10,7 @@ ones). Drafting and verifying then go straight to the replica (gRPC stream, acto
 through Serve's request path; verifier calls carry the cluster secret, which routers read from Ray
 (never from the lease).
 
-Each lease names its *holder*, the router replica's actor (`_lease_holder`). A pool replica checks
+Each lease names its *holder*, the router replica's actor (`deployments.leases.lease_holder`). A pool replica checks
 every `HOLDER_CHECK_PERIOD_S` whether each holder is still alive (`_Leases`); the sessions of one
 that died (a killed router replica) are released there (the verifier's KV, the drafter's session)
 and their leases end, so nothing waits for the pool replica to restart.
@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,53 +29,16 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.core.errors import TandemError
 from cluster.model.models import DEFAULT_MODEL_NAME
 from cluster.ray.drafter import launch_drafter
 from cluster.ray.runtime import VerifierRank, free_port
-from cluster.wire.transport import Endpoint
-from cluster.wire.verifier_pool import VerifierLease, VerifierReplicaHandle
+from deployments.leases import Holder, actor_alive
 from deployments.metrics import orphaned_sessions_counter
 
 log = logging.getLogger(__name__)
 
 
 HOLDER_CHECK_PERIOD_S = 5.0  # how often a pool replica checks that the holders of its leases are alive
-
-Holder = tuple[str, str]  # (namespace, name) of the actor holding a lease: a router replica
-SERVE_NAMESPACE = "serve"  # where Serve names its replicas (ray.serve._private.constants.SERVE_NAMESPACE)
-
-
-def _actor_alive(holder: Holder) -> bool:
-    """Whether the named actor is alive. A router replica is a named Serve actor that Serve never restarts
-    (`max_restarts=0`) nor names again (a new replica gets a new id): once the name is gone, so is it."""
-    namespace, name = holder
-    try:
-        ray.get_actor(name, namespace=namespace)
-    except ValueError:  # "Failed to look up actor": it died (its name went with it)
-        return False
-    return True
-
-
-def _lease_holder() -> Holder | None:
-    """(namespace, name) of the calling actor, sent with each lease for the pools to watch; None outside a
-    named actor (e.g. a driver): such leases are not watched. Serve names its replicas in its own
-    namespace, not in their job's (`get_runtime_context().namespace`): the name is looked up once here,
-    where the pools will look, so that a holder is never taken for dead because it was sought elsewhere."""
-    if not ray.is_initialized():
-        return None
-    context = ray.get_runtime_context()
-    if context.get_actor_id() is None:
-        return None
-    name = context.get_actor_name()
-    if not name:
-        return None
-    for namespace in dict.fromkeys((SERVE_NAMESPACE, context.namespace)):
-        if _actor_alive((namespace, name)):  # this very actor: found where the pools will look
-            return namespace, name
-    log.warning("actor %s is not found by its name: the pools will not watch its leases", name)
-    return None
-
 
 def _model_tag(engine_config: dict) -> str:
     target = engine_config.get("target") or "default"
@@ -95,7 +57,7 @@ class _Leases:
     event loop."""
 
     def __init__(self, release: Callable[[str, object], None] | None = None,
-                 alive: Callable[[Holder], bool] = _actor_alive, period_s: float = HOLDER_CHECK_PERIOD_S,
+                 alive: Callable[[Holder], bool] = actor_alive, period_s: float = HOLDER_CHECK_PERIOD_S,
                  on_orphans: Callable[[int], None] = lambda n: None, pool: str = "pool replica"):
         self.open = 0
         self.orphans_released = 0
@@ -287,55 +249,3 @@ class DrafterPool:
 
     def check_health(self) -> None:
         ray.get(self.actor.ready.remote(), timeout=60)
-
-
-class _Lease:
-    """The router's side of a lease: the first item of a streaming call, then cancel to let go."""
-
-    def __init__(self, handle, session: str, **options):
-        self._response = handle.options(stream=True).lease.remote(session, **options)
-        self.value = next(iter(self._response))
-        self._lock = threading.Lock()
-        self._done = False
-
-    def release(self) -> None:
-        with self._lock:
-            if not self._done:
-                self._done = True
-                self._response.cancel()
-
-
-class ServeVerifierPool:
-    """`acquire` for the router: a lease on the replica Serve picks; gRPC channels cached by endpoint."""
-
-    def __init__(self, handle):
-        self.handle = handle
-        self._replicas: dict[Endpoint, VerifierReplicaHandle] = {}
-        self._lock = threading.Lock()
-        holder = _lease_holder()  # this router replica: the pool releases its sessions if it dies
-        self._options = {"holder": holder} if holder is not None else {}
-
-    def acquire(self, session: str) -> VerifierLease:
-        try:
-            lease = _Lease(self.handle, session, **self._options)
-        except Exception as e:  # e.g. a replica being replaced: the router waits and asks again
-            raise TandemError(f"no verifier replica took session {session}: {type(e).__name__}: {e}") from e
-        endpoint: Endpoint = lease.value
-        with self._lock:
-            replica = self._replicas.get(endpoint)
-            if replica is None or not replica.healthy:
-                replica = self._replicas[endpoint] = VerifierReplicaHandle(endpoint.name, lambda *_: endpoint)
-        return VerifierLease(replica, release=lease.release)
-
-
-class ServeDrafterPool:
-    """`acquire` for the router: (the drafter actor Serve picked for the session, release callback)."""
-
-    def __init__(self, handle):
-        self.handle = handle
-        holder = _lease_holder()  # this router replica: the pool releases its sessions if it dies
-        self._options = {"holder": holder} if holder is not None else {}
-
-    def acquire(self, session: str):
-        lease = _Lease(self.handle, session, **self._options)
-        return lease.value, lease.release

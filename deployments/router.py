@@ -24,9 +24,9 @@ from cluster.model import models
 from cluster.ray.router import Router
 from deployments.chunks import Chunk, ErrorChunk, FinishChunk, PromptChunk, SessionProgress, TokensChunk
 from deployments.config import TandemAppConfig
+from deployments.leases import ServeDrafterPool, ServeVerifierPool
 from deployments.metrics import TandemMetrics
 from deployments.pacing import StreamPacing, paced
-from deployments.pools import ServeDrafterPool, ServeVerifierPool
 
 log = logging.getLogger(__name__)
 

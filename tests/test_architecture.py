@@ -128,3 +128,19 @@ def test_tools_stay_outside_the_wheel():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 assert not node.module.startswith("tools"), f"{path}: imports {node.module}"
+
+
+def test_a_router_replica_does_not_load_what_the_pools_run():
+    """A router replica imports `deployments.router` (Serve loads a deployment by its module): with the pools'
+    routers' side in `deployments.leases` it loads none of what the pool replicas run (the drafter's proposers,
+    the torch model runner, the verifier ranks), about 3 CPU-seconds less for each router that starts."""
+    heavy = ("deployments.pools", "cluster.ray.drafter", "drafts.factory", "cluster.model.runner",
+             "cluster.model.packed")
+    code = f"import sys, deployments.router; print(sorted(set({heavy!r}) & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == "[]"
+    # the same check sees the pools' replicas load them
+    code = code.replace("deployments.router", "deployments.pools")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split("\n")[-2] == repr(sorted(heavy))

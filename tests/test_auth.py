@@ -154,7 +154,8 @@ def test_serve_lease_carries_a_tls_endpoint(ray_local, certs, model_dir, tokeniz
     from ray import serve
     from transformers import AutoConfig
 
-    from deployments.pools import ServeVerifierPool, VerifierPool
+    from deployments.leases import ServeVerifierPool
+    from deployments.pools import VerifierPool
 
     engine = EngineConfig(dtype="float32", proposer="none", network=_tls(certs)).model_dump(mode="json")
     serve.start(proxy_location="Disabled")

@@ -3,7 +3,7 @@
 A replica handle holds an endpoint, a channel that carries the cluster secret on every call
 (`cluster.wire.transport.open_channel`), and a way to find the endpoint again after a restart. A pool hands
 out `VerifierLease`s: `StaticVerifierPool` for the `TandemCluster` runtime; the Serve application's
-pool is `deployments.pools.ServeVerifierPool`.
+pool is `deployments.leases.ServeVerifierPool`.
 """
 
 from __future__ import annotations

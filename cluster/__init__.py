@@ -23,10 +23,11 @@ TELEMETRY_OFF = {"RAY_USAGE_STATS_ENABLED": "0", "VLLM_NO_USAGE_STATS": "1", "VL
 # CI run lost a test module's Ray that way (its raylet never started: "The current node timed out during
 # startup"). Nothing tandem runs uses gRPC in a forked child that does not exec. A value already set is kept.
 GRPC_FORK_ENV = {"GRPC_ENABLE_FORK_SUPPORT": "false"}
-# whether this process's grpcio runs its fork handlers: imported before this package without the switch, or the
-# switch set otherwise (`cluster.ray.runtime.init_local_ray` warns)
-GRPC_FORK_HANDLERS_ON = os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "true" if "grpc" in sys.modules else "false"
-                                       ).lower() not in ("false", "0", "no")
+# whether this process's grpcio runs its fork handlers (`cluster.ray.runtime.init_local_ray` warns): the switch as
+# set before this package, or, unset, whether grpcio was imported already (it then read no switch)
+_GRPC_FORK_SWITCH = os.environ.get("GRPC_ENABLE_FORK_SUPPORT")
+GRPC_FORK_HANDLERS_ON = ("grpc" in sys.modules if _GRPC_FORK_SWITCH is None
+                         else _GRPC_FORK_SWITCH.lower() not in ("false", "0", "no"))
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -136,11 +136,12 @@ def test_a_router_replica_does_not_load_what_the_pools_run():
     the torch model runner, the verifier ranks), about 3 CPU-seconds less for each router that starts."""
     heavy = ("deployments.pools", "cluster.ray.drafter", "drafts.factory", "cluster.model.runner",
              "cluster.model.packed")
-    code = f"import sys, deployments.router; print(sorted(set({heavy!r}) & set(sys.modules)))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split("\n")[-2] == "[]"
-    # the same check sees the pools' replicas load them
-    code = code.replace("deployments.router", "deployments.pools")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.split("\n")[-2] == repr(sorted(heavy))
+
+    def loaded_by(module: str) -> str:
+        code = f"import sys, {module}; print(sorted(set({heavy!r}) & set(sys.modules)))"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split("\n")[-2]
+
+    assert loaded_by("deployments.router") == "[]"
+    assert loaded_by("deployments.pools") == repr(sorted(heavy))  # the same check sees the pools' replicas load them

@@ -5,6 +5,8 @@ Ray exports them (prefixed `ray_`) on each node's metrics port, next to Serve's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ray.util import metrics
 
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -95,6 +97,21 @@ class TandemMetrics:
                              ("drafter_fallbacks", self.fallbacks)):
             if delta.get(name):
                 metric.inc(delta[name])
+
+
+def prompt_cache_counters(model_id: str, pool: str) -> Callable[[int], None]:
+    """What a pool replica's prompt cache (`cluster.model.prompt_cache`) calls at each hit: counts the hit and
+    the prefill tokens it saved."""
+    tags = ("model", "pool")
+    hits = metrics.Counter("tandem_prompt_cache_hits", "Sessions opened with a kept prompt's KV, no prefill.", tags)
+    tokens = metrics.Counter("tandem_prompt_cache_hit_tokens", "Prefill tokens the prompt cache saved.", tags)
+    for counter in (hits, tokens):
+        counter.set_default_tags({"model": model_id, "pool": pool})
+
+    def on_hit(length: int) -> None:
+        hits.inc()
+        tokens.inc(length)
+    return on_hit
 
 
 def orphaned_sessions_counter(model_id: str, pool: str) -> metrics.Counter:

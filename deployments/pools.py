@@ -33,7 +33,7 @@ from cluster.model.models import DEFAULT_MODEL_NAME
 from cluster.ray.drafter import launch_drafter
 from cluster.ray.runtime import VerifierRank, free_port
 from deployments.leases import Holder, actor_alive
-from deployments.metrics import orphaned_sessions_counter
+from deployments.metrics import orphaned_sessions_counter, prompt_cache_counters
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ class VerifierPool:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
                 ).remote(engine_config, name, rank, tensor_parallel_size, port))
         self.rank0 = VerifierRank(engine_config, name, 0, tensor_parallel_size, port)
+        self.rank0.engine.prompt_cache.on_hit = prompt_cache_counters(_model_tag(engine_config), "verifier")
         orphans = orphaned_sessions_counter(_model_tag(engine_config), "verifier")
         self.leases = _Leases(self._release_orphan, on_orphans=orphans.inc, pool=f"verifier replica {name}")
         self.name = name

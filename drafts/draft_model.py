@@ -11,8 +11,10 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.core.processors import process_sequence
 from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
+from cluster.model.prompt_cache import PromptCache
 from cluster.model.runner import TorchModelRunner
 from drafts.proposer import DraftProposal, SequenceProposer, SessionId
 
@@ -32,21 +34,28 @@ class DraftModelProposer(SequenceProposer):
 
     name = "draft"
 
-    def __init__(self, runner: TorchModelRunner, max_support: int | None = None, tree_width: int = 1):
+    def __init__(self, runner: TorchModelRunner, max_support: int | None = None, tree_width: int = 1,
+                 prompt_cache_tokens: int = PROMPT_CACHE_TOKENS):
         """`max_support`: sample from the draft's `max_support` most likely tokens (renormalised), so
         q crosses the wire compactly. Any q keeps the output lossless: the verifier uses this one.
         `tree_width` > 1: `propose_tree` adds the draft's next most likely tokens as siblings of the
-        first draft (a token tree, `cluster.core.tree`)."""
+        first draft (a token tree, `cluster.core.tree`). `prompt_cache_tokens`: the draft's prompt KV kept
+        for a later session with the same prompt (`cluster.model.prompt_cache`); 0: none."""
         super().__init__()
         self.runner = runner
+        self.prompt_cache = PromptCache(runner, prompt_cache_tokens, name="draft-prompt-cache")
+        self._prefilled: dict[SessionId, tuple[int, int]] = {}  # prompt tokens prefilled at start (all but the
+        # last), and the torch threads that prefill ran with
         self.max_support = max_support
         self.tree_width = tree_width
 
     def start(self, session: SessionId, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         super().start(session, prompt_ids, params)
         self.runner.add_session(session)
-        if len(prompt_ids) > 1:  # prefill now; the last token is fed by the first propose
-            self.runner.extend(session, prompt_ids[:-1], num_logits=0)
+        if len(prompt_ids) > 1:  # prefill now (or the same prompt's kept KV); the last token is fed by the first propose
+            self._prefilled[session] = (len(prompt_ids) - 1, torch.get_num_threads())
+            if not self.prompt_cache.take(prompt_ids[:-1], session):
+                self.runner.extend(session, prompt_ids[:-1], num_logits=0)
 
     def propose(self, session: SessionId, k: int) -> DraftProposal:
         return self.propose_batch({session: k})[session]
@@ -107,7 +116,12 @@ class DraftModelProposer(SequenceProposer):
         keep = min(length, len(self.tokens(session)) - 1)
         if self.runner.length(session) > keep:
             self.runner.truncate(session, keep)
+        if keep < self._prefilled.get(session, (0, 0))[0]:  # below the prompt (no router does): nothing to keep
+            del self._prefilled[session]
 
     def release(self, session: SessionId) -> None:
+        prefilled, threads = self._prefilled.pop(session, (0, 0))
+        if prefilled and session in self._tokens and self.runner.has_session(session):
+            self.prompt_cache.keep(session, self._tokens[session][:prefilled], threads)
         super().release(session)
         self.runner.release(session)

@@ -66,7 +66,7 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module | None, ta
         models.check_same_tokenizer(target_tokenizer, models.load_tokenizer(path), str(path))
         draft_model = models.load_causal_lm(path, config.dtype, config.device)
     model = DraftModelProposer(TorchModelRunner(draft_model, name="draft", cuda_graphs=config.cuda_graphs),
-                               tree_width=config.tree_width)
+                               tree_width=config.tree_width, prompt_cache_tokens=config.prompt_cache_tokens)
     if config.proposer == "hybrid":
         return HybridProposer(model, max_ngram=config.max_ngram, tree_width=config.tree_width,
                               match_tokens=config.match_tokens)

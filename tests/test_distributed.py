@@ -104,6 +104,9 @@ def test_processors_greedy_equality_through_the_cluster(pipelined, prompt_ids, r
         params = SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=0.7, frequency_penalty=0.4,
                                 allowed_token_ids=sorted(set(ref) - {ref[2]}))
         assert pipelined.generate(ids, params).token_ids == plain.generate(ids, params).token_ids
+    # each prompt's second request took the draft's prefill from the drafter's kept prompts (and the target's from
+    # the verifier's, or a verifier replica that had not seen it yet prefilled it): the outputs above are unchanged
+    assert ray.get(pipelined.drafter.stats.remote())["prompt_cache_hits"] >= 2
 
 
 def test_sequential_greedy_equality_without_overlap(ray_local, prompt_ids, references):

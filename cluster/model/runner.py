@@ -66,6 +66,7 @@ class TorchModelRunner:
         self.device: torch.device = next(model.parameters()).device
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self._sessions: dict[SessionId, _Session] = {}
+        self._kept: set[SessionId] = set()  # sessions that hold a prompt's KV (`add_session(kept=True)`)
         self._ids = itertools.count()
         # sessions whose features each forward keeps, for a feature-fed draft; `hidden[session]` holds the last
         # forward's rows  # [new positions, H] bf16: the last hidden state (post-norm: what the head reads), or
@@ -84,12 +85,16 @@ class TorchModelRunner:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def add_session(self, session: SessionId | None = None) -> SessionId:
+    def add_session(self, session: SessionId | None = None, capacity: int = 256, kept: bool = False) -> SessionId:
+        """`capacity`: the tokens its buffers start with (they grow by doubling). `kept`: a session that only
+        holds KV for others to copy (`prompt_cache`): never a CUDA-graph slot, not in `num_sessions`."""
         session = next(self._ids) if session is None else session
         if session in self._sessions:
             raise InvalidRequestError(f"session {session!r} already exists on {self.name}")
-        self._sessions[session] = _Session(new_cache(self.num_layers))
-        if self.graphs is not None:
+        self._sessions[session] = _Session(new_cache(self.num_layers, capacity))
+        if kept:
+            self._kept.add(session)
+        elif self.graphs is not None:
             self.graphs.attach(self._sessions[session].cache, session)
         return session
 
@@ -107,7 +112,12 @@ class TorchModelRunner:
 
     @property
     def num_sessions(self) -> int:
-        return len(self._sessions)
+        """Sessions of requests (not the kept prompts': `num_kept`)."""
+        return len(self._sessions) - len(self._kept)
+
+    @property
+    def num_kept(self) -> int:
+        return len(self._kept)
 
     def truncate(self, session: SessionId, length: int) -> None:
         """Roll back to the first `length` tokens: moves each layer's cursor."""
@@ -129,6 +139,7 @@ class TorchModelRunner:
 
     def release(self, session: SessionId) -> None:
         state = self._sessions.pop(session, None)
+        self._kept.discard(session)
         if state is not None and self.graphs is not None:
             self.graphs.detach(state.cache)
         self.capture.discard(session)

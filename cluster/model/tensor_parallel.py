@@ -79,8 +79,8 @@ class TPLeaderRunner:
         log.error("%s; the replica must be rebuilt", self.broken)
         raise TensorParallelGroupBroken(self.broken) from None
 
-    def add_session(self, session=None):
-        return self._call("add_session", session)
+    def add_session(self, session=None, capacity=256, kept=False):
+        return self._call("add_session", session, capacity, kept)
 
     def extend(self, session, token_ids, num_logits=None):
         return self._call("extend", session, list(token_ids), num_logits)

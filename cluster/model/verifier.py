@@ -28,6 +28,7 @@ from cluster.core.rejection import rejection_sample
 from cluster.core.rounds import Opened, Round, RoundResult
 from cluster.core.sampling import SamplingParams
 from cluster.core.tree import tree_rejection_sample
+from cluster.model.prompt_cache import PromptCache
 from cluster.model.runner import TorchModelRunner
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,18 @@ class _Session:
     features: bool = False  # send the target's hidden states of committed positions (a feature-fed draft)
     tokens: list[int] | None = None  # the committed tokens (prompt, then output), kept only where processors act
     opened: tuple[int, ...] = ()  # the tokens it opened with: their KV (all but the last) may be shared
+    threads: int = 0  # the torch threads their prefill ran with (the prompt cache's key)
 
 
 class VerifierEngine:
     """Owns a target runner; `step()` verifies the oldest pending round of every session at once."""
 
-    def __init__(self, runner: TorchModelRunner, max_batch: int = 32):
+    def __init__(self, runner: TorchModelRunner, max_batch: int = 32, prompt_cache_tokens: int = 0):
+        """`prompt_cache_tokens`: the prompt KV kept after sessions end for a later session that opens with
+        the same tokens (`cluster.model.prompt_cache`: exact matches only, bit for bit a prefill's); 0: none."""
         self.runner = runner
+        self.prompt_cache = PromptCache(runner, prompt_cache_tokens if hasattr(runner, "share_prefix") else 0,
+                                        name="prompt-cache")
         self.max_batch = max_batch
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Condition()
@@ -94,9 +100,13 @@ class VerifierEngine:
             try:
                 opened = tuple(int(t) for t in token_ids)
                 donor = None if features or params.prompt_logprobs is not None else self._prefix_donor(opened)
+                threads = self._sessions[donor].threads if donor is not None else torch.get_num_threads()
                 if donor is not None:  # the same prompt, prefilled already: its KV, bit for bit what a prefill gives
                     self.runner.share_prefix(donor, session, len(token_ids) - 1)
                     self.shared_prefills += 1
+                elif len(token_ids) > 1 and not features and params.prompt_logprobs is None and \
+                        self.prompt_cache.take(opened[:-1], session):  # an earlier session's prefill of them, kept
+                    pass
                 elif len(token_ids) > 1:  # with prompt_logprobs, row i: the raw logits after token i  # [n - 1, vocab]
                     rows = self.runner.extend(session, list(token_ids[:-1]),
                                               num_logits=None if params.prompt_logprobs is not None else 0)
@@ -110,7 +120,7 @@ class VerifierEngine:
             self._sessions[session] = _Session(params.with_seed(), len(token_ids), [int(token_ids[-1])],
                                                features=features,
                                                tokens=[int(t) for t in token_ids] if params.processes_logits else None,
-                                               opened=opened)
+                                               opened=opened, threads=threads)
         if params.prompt_logprobs is None:
             return Opened(len(token_ids), prompt_features)
         scored = [] if rows is None else prompt_logprobs(rows, token_ids, params.prompt_logprobs)  # outside the lock
@@ -132,6 +142,11 @@ class VerifierEngine:
             state = self._sessions.pop(session, None)
             if state is None:
                 return False
+            if len(state.opened) > 1:  # its first positions: the prefill of all but the last token it opened with
+                try:
+                    self.prompt_cache.keep(session, state.opened[:-1], state.threads)
+                except Exception:  # e.g. a tensor-parallel group that lost a rank: nothing kept, loudly
+                    log.exception("keeping session %s's prompt KV failed", session)
             self.runner.release(session)
             for rnd, callback in state.pending:
                 callback(InvalidRequestError(f"session {session!r} was released"))

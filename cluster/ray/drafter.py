@@ -57,10 +57,12 @@ class Drafter:
 
     def stats(self) -> dict:
         b = self.batcher
+        model = getattr(self.proposer, "model", self.proposer)  # a hybrid's draft model
+        cache = getattr(model, "prompt_cache", None)  # a draft model's kept prompts (cluster.model.prompt_cache)
         return {"draft_s": b.draft_s, "idle_s": b.idle_s, "batches": b.batches, "backlog": b.backlog(),
                 "sessions": self.proposer.num_sessions,
-                "proposals_without_features": getattr(getattr(self.proposer, "model", self.proposer),
-                                                      "proposals_without_features", 0)}
+                "proposals_without_features": getattr(model, "proposals_without_features", 0),
+                "prompt_cache_hits": cache.stats.hits if cache is not None else 0}
 
     def pid(self) -> int:
         return os.getpid()

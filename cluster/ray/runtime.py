@@ -226,7 +226,7 @@ class VerifierRank:
                 threading.Thread(target=follow, args=(runner,), daemon=True, name="tp-follower").start()
                 return
             runner = TPLeaderRunner(runner)
-        self.engine = VerifierEngine(runner)
+        self.engine = VerifierEngine(runner, prompt_cache_tokens=config.prompt_cache_tokens)
         host = bind_host(config.network)
         self.server, self.port = serve(self.engine, replica, host, 0, world_size, network=config.network)
         self._endpoint = advertised_endpoint(replica, host, self.port, config.network)

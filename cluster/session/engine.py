@@ -35,4 +35,4 @@ def build_decoder(config: EngineConfig) -> SpeculativeDecoder:
     target = TorchModelRunner(target_model, name="target", cuda_graphs=config.cuda_graphs,
                               feature_layers=target_feature_layers(config))
     return SpeculativeDecoder(target, proposer, tokenizer,
-                              config.num_speculative_tokens)
+                              config.num_speculative_tokens, prompt_cache_tokens=config.prompt_cache_tokens)

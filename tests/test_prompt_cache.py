@@ -1,0 +1,152 @@
+"""A prompt's KV kept after its session ends (`cluster.model.prompt_cache`) for a later session that opens with
+exactly the same tokens: on the target's verifier and on the draft model. What a kept prompt gives is a prefill's
+own keys and values, bit for bit, so decoding is unchanged; nothing but an exact match is used; the kept tokens stay
+within the budget."""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.core.sampling import SamplingParams
+from cluster.model.prompt_cache import PromptCache
+from cluster.model.runner import TorchModelRunner
+from cluster.model.verifier import VerifierEngine
+from cluster.session.speculate import SpeculativeDecoder
+from drafts.draft_model import DraftModelProposer
+from tests.helpers import tiny_llama
+from tests.test_choices import _decode
+
+PROMPT = [5, 9, 2, 7, 7, 3, 1, 4]  # tiny_llama's vocabulary is 10 tokens
+
+
+def _kv(runner: TorchModelRunner, session, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone())
+            for layer in runner._get(session).cache.layers]
+
+
+def test_a_kept_prompt_is_its_prefill_bit_for_bit_and_decodes_the_same():
+    model = tiny_llama(seed=5)
+    runner = TorchModelRunner(model)
+    engine = VerifierEngine(runner, prompt_cache_tokens=64)
+    params = SamplingParams(temperature=1.0, seed=7)
+    engine.open("first", PROMPT, params)
+    fresh = _kv(runner, "first", len(PROMPT) - 1)
+    first = _decode(engine, ["first"], 6)["first"]
+    engine.release("first")
+    assert runner.num_sessions == 0 and runner.num_kept == 1 and engine.prompt_cache.tokens == len(PROMPT) - 1
+    engine.open("again", PROMPT, params)
+    assert engine.prompt_cache.stats.hits == 1 and engine.prompt_cache.stats.hit_tokens == len(PROMPT) - 1
+    assert all(torch.equal(a, b) and torch.equal(c, d)
+               for (a, c), (b, d) in zip(fresh, _kv(runner, "again", len(PROMPT) - 1)))
+    assert _decode(engine, ["again"], 6)["again"] == first
+    engine.release("again")
+    assert runner.num_kept == 1 and engine.prompt_cache.stats.kept == 1  # kept once
+
+
+def test_only_an_exact_prompt_is_taken():
+    """A prompt that shares a prefix with a kept one, or extends it, is prefilled: the first positions of
+    another shape's prefill may differ in the last bit. One whose prefilled tokens (all but its last) are the
+    same is a hit: its last token is fed with the first round, as always."""
+    engine = VerifierEngine(TorchModelRunner(tiny_llama(seed=5)), prompt_cache_tokens=64)
+    params = SamplingParams()
+    engine.open("a", PROMPT, params)
+    engine.release("a")
+    for i, prompt in enumerate([PROMPT[:-1], PROMPT + [2], PROMPT[:-1] + [0]]):
+        engine.open(f"b{i}", prompt, params)
+        engine.release(f"b{i}")
+    stats = engine.prompt_cache.stats
+    assert stats.hits == 1 and stats.misses == 3 and stats.kept == 3  # "a" missed too
+
+
+def test_prompt_logprobs_and_features_prefill_as_before():
+    """Both need the prefill's own rows (every position's logits, the target's features)."""
+    runner = TorchModelRunner(tiny_llama(seed=5))
+    engine = VerifierEngine(runner, prompt_cache_tokens=64)
+    engine.open("a", PROMPT, SamplingParams())
+    engine.release("a")
+    opened = engine.open("logprobs", PROMPT, SamplingParams(prompt_logprobs=1))
+    assert len(opened.prompt_logprobs) == len(PROMPT) - 1
+    opened = engine.open("features", PROMPT, SamplingParams(), features=True)
+    assert opened.features is not None and opened.features.shape[0] == len(PROMPT) - 1
+    assert engine.prompt_cache.stats.hits == 0
+
+
+def test_the_budget_keeps_the_most_recent_prompts():
+    runner = TorchModelRunner(tiny_llama(seed=5))
+    engine = VerifierEngine(runner, prompt_cache_tokens=20)  # two prompts of 7 kept tokens, not three
+    prompts = [[i, *PROMPT[1:]] for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        engine.open(f"s{i}", prompt, SamplingParams())
+        engine.release(f"s{i}")
+    cache = engine.prompt_cache
+    assert cache.tokens == 14 <= cache.max_tokens and len(cache) == runner.num_kept == 2 and cache.stats.evicted == 1
+    engine.open("old", prompts[0], SamplingParams())  # the least recently used went first
+    engine.open("new", prompts[2], SamplingParams())
+    assert cache.stats.hits == 1
+    long = PromptCache(runner, 4)
+    assert not long.keep("new", prompts[2][:-1]) and len(long) == 0  # longer than the whole budget
+    off = VerifierEngine(TorchModelRunner(tiny_llama(seed=5)), prompt_cache_tokens=0)
+    off.open("a", PROMPT, SamplingParams())
+    off.release("a")
+    assert off.runner.num_kept == 0 and not off.prompt_cache.enabled
+    cache.clear()
+    assert runner.num_kept == 0 and cache.tokens == 0
+
+
+def test_a_kept_prompt_is_for_the_thread_count_it_was_computed_with():
+    """Another torch thread count may split a prefill's sums otherwise: its prompts are kept apart, under the
+    count their prefill ran with (not the one at their release)."""
+    engine = VerifierEngine(TorchModelRunner(tiny_llama(seed=5)), prompt_cache_tokens=64)
+    threads = torch.get_num_threads()
+    engine.open("a", PROMPT, SamplingParams())
+    engine.release("a")
+    try:
+        torch.set_num_threads(threads + 1)
+        engine.open("b", PROMPT, SamplingParams())
+        assert engine.prompt_cache.stats.hits == 0
+    finally:
+        torch.set_num_threads(threads)
+    engine.release("b")  # prefilled with one thread more: kept apart
+    assert len(engine.prompt_cache) == 2
+    engine.open("c", PROMPT, SamplingParams())
+    assert engine.prompt_cache.stats.hits == 1
+    engine.release("c")
+    torch.set_num_threads(threads + 1)
+    try:
+        engine.open("d", PROMPT, SamplingParams())
+        assert engine.prompt_cache.stats.hits == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_repeated_requests_decode_as_without_the_cache_on_target_and_draft():
+    """The same prompt sampled again (seeds 0..5, twice) through the whole loop with a draft model: the
+    second pass takes both prefills from the caches, and every output equals a decoder's without them."""
+    target, draft = tiny_llama(seed=1), tiny_llama(seed=2)
+
+    def decoder(cache_tokens: int) -> SpeculativeDecoder:
+        proposer = DraftModelProposer(TorchModelRunner(draft), prompt_cache_tokens=cache_tokens)
+        return SpeculativeDecoder(TorchModelRunner(target), proposer, None, 3, prompt_cache_tokens=cache_tokens)
+
+    cached, plain = decoder(256), decoder(0)
+    requests = [SamplingParams(temperature=1.0, seed=seed, max_tokens=12) for seed in range(6)] * 2
+    outputs = [cached.generate(PROMPT, params).token_ids for params in requests]
+    assert outputs == [plain.generate(PROMPT, params).token_ids for params in requests]
+    assert outputs[:6] == outputs[6:] and len(set(map(tuple, outputs))) > 1
+    assert cached.engine.prompt_cache.stats.hits == len(requests) - 1
+    assert cached.proposer.prompt_cache.stats.hits == len(requests) - 1
+    assert plain.engine.prompt_cache.stats.hits == plain.proposer.prompt_cache.stats.hits == 0
+    assert cached.target.num_sessions == cached.proposer.runner.num_sessions == 0  # only the kept prompts stay
+    assert cached.target.num_kept == cached.proposer.runner.num_kept == 1
+
+
+def test_caches_on_one_runner_keep_apart_one_after_another():
+    """Engines come and go on a long-lived runner (a drafter's, a test's): a new cache's kept sessions never
+    collide with those of an earlier one still held there."""
+    runner = TorchModelRunner(tiny_llama(seed=5))
+    for i in range(20):  # each engine dropped before the next: its cache may get the freed one's id()
+        engine = VerifierEngine(runner, prompt_cache_tokens=64)
+        engine.open("s", [i % 10, *PROMPT[1:]], SamplingParams())
+        engine.release("s")
+        del engine
+    assert runner.num_kept == 20 and runner.num_sessions == 0

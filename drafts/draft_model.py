@@ -11,7 +11,6 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.core.processors import process_sequence
 from cluster.core.sampling import RandomStream, SamplingParams, probabilities, sample
 from cluster.model.prompt_cache import PromptCache
@@ -34,16 +33,15 @@ class DraftModelProposer(SequenceProposer):
 
     name = "draft"
 
-    def __init__(self, runner: TorchModelRunner, max_support: int | None = None, tree_width: int = 1,
-                 prompt_cache_tokens: int = PROMPT_CACHE_TOKENS):
+    def __init__(self, runner: TorchModelRunner, max_support: int | None = None, tree_width: int = 1):
         """`max_support`: sample from the draft's `max_support` most likely tokens (renormalised), so
         q crosses the wire compactly. Any q keeps the output lossless: the verifier uses this one.
         `tree_width` > 1: `propose_tree` adds the draft's next most likely tokens as siblings of the
-        first draft (a token tree, `cluster.core.tree`). `prompt_cache_tokens`: the draft's prompt KV kept
-        for a later session with the same prompt (`cluster.model.prompt_cache`); 0: none."""
+        first draft (a token tree, `cluster.core.tree`). A session whose prompt the runner keeps
+        (`runner.prompt_cache`) takes its KV instead of a prefill."""
         super().__init__()
         self.runner = runner
-        self.prompt_cache = PromptCache(runner, prompt_cache_tokens, name="draft-prompt-cache")
+        self.prompt_cache = PromptCache.of(runner)
         self._prefilled: dict[SessionId, tuple[int, int]] = {}  # prompt tokens prefilled at start (all but the
         # last), and the torch threads that prefill ran with
         self.max_support = max_support

@@ -65,8 +65,9 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module | None, ta
         path = models.resolve_model_path(config.draft, config.cache_dir)
         models.check_same_tokenizer(target_tokenizer, models.load_tokenizer(path), str(path))
         draft_model = models.load_causal_lm(path, config.dtype, config.device)
-    model = DraftModelProposer(TorchModelRunner(draft_model, name="draft", cuda_graphs=config.cuda_graphs),
-                               tree_width=config.tree_width, prompt_cache_tokens=config.prompt_cache_tokens)
+    model = DraftModelProposer(TorchModelRunner(draft_model, name="draft", cuda_graphs=config.cuda_graphs,
+                                                prompt_cache_tokens=config.prompt_cache_tokens),
+                               tree_width=config.tree_width)
     if config.proposer == "hybrid":
         return HybridProposer(model, max_ngram=config.max_ngram, tree_width=config.tree_width,
                               match_tokens=config.match_tokens)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cluster
+from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.model import models
 from cluster.model.runner import TorchModelRunner
 from drafts.draft_model import quantized_copy
@@ -152,11 +153,13 @@ def references(request, target_fp32, prompt_ids, references_key):
     return out
 
 
+# The runners as the engines `EngineConfig` builds them (`engine.prompt_cache_tokens`): a session whose prompt an
+# earlier one on the runner prefilled copies that KV (bit for bit a prefill's, tests/test_prompt_cache.py)
 @pytest.fixture()
 def target_runner(target_fp32):
-    return TorchModelRunner(target_fp32, name="target")
+    return TorchModelRunner(target_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS)
 
 
 @pytest.fixture()
 def draft_runner(draft_int8):
-    return TorchModelRunner(draft_int8, name="draft")
+    return TorchModelRunner(draft_int8, name="draft", prompt_cache_tokens=PROMPT_CACHE_TOKENS)

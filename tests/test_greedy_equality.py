@@ -8,7 +8,9 @@ import json.decoder
 
 import pytest
 
+from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.core.sampling import SamplingParams
+from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
 from drafts.draft_model import DraftModelProposer
 from drafts.ngram import NGramProposer, SuffixProposer
@@ -43,6 +45,20 @@ PROMPTS = [  # (text, chat template?)
     ("Explain recursion to a beginner.", True),
     ("List three fruits.", True),
 ]
+
+
+@pytest.fixture(scope="module")
+def target_runner(target_fp32):
+    """One target runner (and one draft runner) for the module's decoders, with the served default's prompt
+    cache: the first test to open a prompt prefills it, the later ones copy that KV, bit for bit the prefill's
+    (`test_prompt_cache.py`), so every test decodes from exactly what a prefill gives. Every test still releases
+    every session (asserted)."""
+    return TorchModelRunner(target_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def draft_runner(draft_int8):
+    return TorchModelRunner(draft_int8, name="draft", prompt_cache_tokens=PROMPT_CACHE_TOKENS)
 
 
 def test_workload_covers_long_contexts_and_both_stops(prompt_ids, references, target_fp32):

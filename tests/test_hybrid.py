@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.core.config import EngineConfig
 from cluster.core.sampling import SamplingParams
 from cluster.model.runner import TorchModelRunner
@@ -80,8 +81,8 @@ def _round(hybrid, session, truth, k=3):
 # -- the real target: greedy equality with both sources --------------------------------------------
 
 def test_greedy_equals_transformers_with_both_sources(target_fp32, draft_int8, tokenizer, prompt_ids, references):
-    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft")))
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"), hybrid, tokenizer, num_speculative_tokens=3)
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft", prompt_cache_tokens=PROMPT_CACHE_TOKENS)))
+    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, tokenizer, num_speculative_tokens=3)
     # the code prompt, the chat prompt, then the code prompt again: its first output is in the pool now
     for i, ids in enumerate([*prompt_ids, prompt_ids[0]]):
         before = {source: SourceStats(**vars(s)) for source, s in hybrid.stats.items()}
@@ -121,7 +122,7 @@ def tiny_pair():
 
 
 def _sample(target_model, hybrid, params, n, length):
-    decoder = SpeculativeDecoder(TorchModelRunner(target_model), hybrid, None, 3)
+    decoder = SpeculativeDecoder(TorchModelRunner(target_model, prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, None, 3)
     return [tuple(decoder.generate(SAMPLE_PROMPT, params.model_copy(update={"seed": i, "max_tokens": length})).token_ids)
             for i in range(n)]
 
@@ -143,22 +144,22 @@ def test_sampling_follows_target(tiny_pair, loop):
     exact = exact_continuation_probs(target, SAMPLE_PROMPT, 3, params)
     # the pool is on: other seeds' outputs are fair game, and the sessions draft from them (a pool match
     # of 4 tokens is confident: it beats the session's own shorter one)
-    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=1, confident_match=4,
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), min_match=1, confident_match=4,
                             history_tokens=64)
-    decoder = SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 3, **loop)
+    decoder = SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, None, 3, **loop)
     samples = [tuple(decoder.generate(SAMPLE_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})).token_ids)
                for i in range(2000)]
     report = hybrid.report()
     assert report[NGRAM]["rounds"] > 500 and report[MODEL]["rounds"] > 500 and report["pool_rounds"] > 100, report
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
     if not loop:  # the test can fail: match rounds sent with a q they were not drawn from
-        broken = _MatchWithQ(DraftModelProposer(TorchModelRunner(draft)), min_match=1, history_tokens=64)
+        broken = _MatchWithQ(DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), min_match=1, history_tokens=64)
         assert chi_square_pvalue(_sample(target, broken, params, 2000, 3), exact) < 1e-6
 
 
 def test_a_round_is_one_kind_under_sampling(tiny_pair):
     _, draft = tiny_pair
-    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=2, confident_match=None,
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), min_match=2, confident_match=None,
                             history_tokens=0)
     hybrid.start("s", SAMPLE_PROMPT, SamplingParams(temperature=1.0, seed=3))
     match = hybrid.propose("s", 3)
@@ -173,7 +174,7 @@ def test_a_round_is_one_kind_under_sampling(tiny_pair):
 
 def test_model_follows_match_rounds_and_catches_up_in_one_forward(tiny_pair):
     _, draft = tiny_pair
-    runner = TorchModelRunner(draft)
+    runner = TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
     hybrid = HybridProposer(DraftModelProposer(runner), min_match=2, confident_match=None, history_tokens=0)
     prompt = [3, 5, 8, 6, 2, 9, 3, 5]
     hybrid.start("s", prompt, SamplingParams())
@@ -190,7 +191,7 @@ def test_model_follows_match_rounds_and_catches_up_in_one_forward(tiny_pair):
     assert feeds[0] == {"s": [5, 8, 6, 4]}  # the whole catch-up in the first forward, then one token
     assert [len(f["s"]) for f in feeds] == [4, 1]
     # and it drafts what a model that saw every token one by one drafts
-    fresh = DraftModelProposer(TorchModelRunner(draft))
+    fresh = DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS))
     fresh.start("f", prompt + [8, 6, 4], SamplingParams())
     assert fresh.propose("f", 2).token_ids == drafts
 
@@ -349,9 +350,9 @@ def test_match_trees_sample_the_target_and_siblings_win(tiny_pair):
     target, draft = tiny_pair
     params = SamplingParams(temperature=1.0)
     exact = exact_continuation_probs(target, TREE_PROMPT, 3, params)
-    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=1, confident_match=2,
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), min_match=1, confident_match=2,
                             history_tokens=0, tree_width=3)
-    decoder = SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 3)
+    decoder = SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, None, 3)
     samples = [tuple(decoder.generate(TREE_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})).token_ids)
                for i in range(2000)]
     assert hybrid.tree_rounds > 1000 and decoder.metrics.tree_rounds >= hybrid.tree_rounds
@@ -364,8 +365,8 @@ def test_shaped_sequential_rounds_greedy_equal_transformers(target_fp32, draft_i
                                                            shape):
     """Sequential match rounds as token trees, or longer than γ (the session's own long matches are drafted
     by the loop itself: `own_match`)."""
-    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft")), **shape)
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target"), hybrid, tokenizer, 3)
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft", prompt_cache_tokens=PROMPT_CACHE_TOKENS)), **shape)
+    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, tokenizer, 3)
     for ids in prompt_ids:
         result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
         assert result.token_ids == references[tuple(ids)][: len(result.token_ids)]
@@ -414,9 +415,9 @@ def test_long_match_rounds_sample_the_target_and_stop_at_max_tokens(tiny_pair):
     target, draft = tiny_pair
     params = SamplingParams(temperature=1.0)
     exact = exact_continuation_probs(target, LONG_PROMPT, 3, params)
-    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft)), min_match=1, confident_match=3,
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), min_match=1, confident_match=3,
                             history_tokens=0, match_tokens=8, extend_min=3)
-    decoder = SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 1, own_matches=False)  # the hybrid's own
+    decoder = SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, None, 1, own_matches=False)  # the hybrid's own
     samples, longest = [], 0
     for i in range(2000):
         result = decoder.generate(LONG_PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3}))
@@ -461,9 +462,9 @@ def test_own_matches_replace_plain_steps_sample_the_target_and_keep_the_drafter_
     exact = exact_continuation_probs(target, LONG_PROMPT, 3, params)
 
     def decoder(probe_every):
-        hybrid = _Watched(DraftModelProposer(TorchModelRunner(draft)), min_match=1, history_tokens=0,
+        hybrid = _Watched(DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), min_match=1, history_tokens=0,
                           match_tokens=8, extend_min=3)
-        return hybrid, SpeculativeDecoder(TorchModelRunner(target), hybrid, None, 2,
+        return hybrid, SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, None, 2,
                                           policy=_never_drafting(2, probe_every))
 
     hybrid, spec = decoder(10_000)

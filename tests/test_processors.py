@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cluster.model.verifier as verifier_module
+from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.core.errors import InvalidRequestError
 from cluster.core.processors import process_chain, process_rows, process_sequence, tokenize_bad_words
 from cluster.core.sampling import SamplingParams, probabilities
@@ -218,7 +219,7 @@ def cases(target_fp32, prompt_ids, references):
 @pytest.fixture(scope="module")
 def expected(cases, target_fp32, tokenizer) -> list[list[int]]:
     """Each case's reference: transformers' where it has the processors, else tandem's plain decoding."""
-    plain = SpeculativeDecoder(TorchModelRunner(target_fp32), None, tokenizer, 0)
+    plain = SpeculativeDecoder(TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS), None, tokenizer, 0)
     return [ref if ref is not None else plain.generate(ids, params).token_ids for ids, params, ref in cases]
 
 
@@ -229,7 +230,7 @@ def test_processors_change_the_output(cases, references):
 
 @pytest.mark.parametrize("kind", ["always-wrong", "draft-tree"])
 def test_greedy_with_processors_equals_the_reference(kind, cases, expected, target_fp32, draft_runner, tokenizer):
-    target = TorchModelRunner(target_fp32)
+    target = TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
     drafted = accepted = tree_rounds = 0
     for (ids, params, _), want in zip(cases, expected):
         if kind == "always-wrong":  # proposes a token that is never the reference's
@@ -275,7 +276,7 @@ def tiny_pair():
 
 def _samples(tiny_pair, n: int, tree_width: int = 1) -> list[tuple]:
     target, draft = tiny_pair
-    decoder = SpeculativeDecoder(TorchModelRunner(target), DraftModelProposer(TorchModelRunner(draft),
+    decoder = SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS), DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS),
                                                                               tree_width=tree_width), None, 2)
     return [tuple(decoder.generate(PROMPT, SAMPLED.model_copy(update={"seed": i})).token_ids) for i in range(n)]
 

@@ -25,9 +25,8 @@ def _kv(runner: TorchModelRunner, session, length: int) -> list[tuple[torch.Tens
 
 
 def test_a_kept_prompt_is_its_prefill_bit_for_bit_and_decodes_the_same():
-    model = tiny_llama(seed=5)
-    runner = TorchModelRunner(model)
-    engine = VerifierEngine(runner, prompt_cache_tokens=64)
+    runner = TorchModelRunner(tiny_llama(seed=5), prompt_cache_tokens=64)
+    engine = VerifierEngine(runner)
     params = SamplingParams(temperature=1.0, seed=7)
     engine.open("first", PROMPT, params)
     fresh = _kv(runner, "first", len(PROMPT) - 1)
@@ -47,7 +46,7 @@ def test_only_an_exact_prompt_is_taken():
     """A prompt that shares a prefix with a kept one, or extends it, is prefilled: the first positions of
     another shape's prefill may differ in the last bit. One whose prefilled tokens (all but its last) are the
     same is a hit: its last token is fed with the first round, as always."""
-    engine = VerifierEngine(TorchModelRunner(tiny_llama(seed=5)), prompt_cache_tokens=64)
+    engine = VerifierEngine(TorchModelRunner(tiny_llama(seed=5), prompt_cache_tokens=64))
     params = SamplingParams()
     engine.open("a", PROMPT, params)
     engine.release("a")
@@ -60,8 +59,8 @@ def test_only_an_exact_prompt_is_taken():
 
 def test_prompt_logprobs_and_features_prefill_as_before():
     """Both need the prefill's own rows (every position's logits, the target's features)."""
-    runner = TorchModelRunner(tiny_llama(seed=5))
-    engine = VerifierEngine(runner, prompt_cache_tokens=64)
+    runner = TorchModelRunner(tiny_llama(seed=5), prompt_cache_tokens=64)
+    engine = VerifierEngine(runner)
     engine.open("a", PROMPT, SamplingParams())
     engine.release("a")
     opened = engine.open("logprobs", PROMPT, SamplingParams(prompt_logprobs=1))
@@ -72,8 +71,8 @@ def test_prompt_logprobs_and_features_prefill_as_before():
 
 
 def test_the_budget_keeps_the_most_recent_prompts():
-    runner = TorchModelRunner(tiny_llama(seed=5))
-    engine = VerifierEngine(runner, prompt_cache_tokens=20)  # two prompts of 7 kept tokens, not three
+    runner = TorchModelRunner(tiny_llama(seed=5), prompt_cache_tokens=20)  # two prompts of 7 kept tokens, not three
+    engine = VerifierEngine(runner)
     prompts = [[i, *PROMPT[1:]] for i in range(3)]
     for i, prompt in enumerate(prompts):
         engine.open(f"s{i}", prompt, SamplingParams())
@@ -85,7 +84,7 @@ def test_the_budget_keeps_the_most_recent_prompts():
     assert cache.stats.hits == 1
     long = PromptCache(runner, 4)
     assert not long.keep("new", prompts[2][:-1]) and len(long) == 0  # longer than the whole budget
-    off = VerifierEngine(TorchModelRunner(tiny_llama(seed=5)), prompt_cache_tokens=0)
+    off = VerifierEngine(TorchModelRunner(tiny_llama(seed=5)))  # a runner's own default: none
     off.open("a", PROMPT, SamplingParams())
     off.release("a")
     assert off.runner.num_kept == 0 and not off.prompt_cache.enabled
@@ -96,7 +95,7 @@ def test_the_budget_keeps_the_most_recent_prompts():
 def test_a_kept_prompt_is_for_the_thread_count_it_was_computed_with():
     """Another torch thread count may split a prefill's sums otherwise: its prompts are kept apart, under the
     count their prefill ran with (not the one at their release)."""
-    engine = VerifierEngine(TorchModelRunner(tiny_llama(seed=5)), prompt_cache_tokens=64)
+    engine = VerifierEngine(TorchModelRunner(tiny_llama(seed=5), prompt_cache_tokens=64))
     threads = torch.get_num_threads()
     engine.open("a", PROMPT, SamplingParams())
     engine.release("a")
@@ -125,8 +124,8 @@ def test_repeated_requests_decode_as_without_the_cache_on_target_and_draft():
     target, draft = tiny_llama(seed=1), tiny_llama(seed=2)
 
     def decoder(cache_tokens: int) -> SpeculativeDecoder:
-        proposer = DraftModelProposer(TorchModelRunner(draft), prompt_cache_tokens=cache_tokens)
-        return SpeculativeDecoder(TorchModelRunner(target), proposer, None, 3, prompt_cache_tokens=cache_tokens)
+        proposer = DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=cache_tokens))
+        return SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=cache_tokens), proposer, None, 3)
 
     cached, plain = decoder(256), decoder(0)
     requests = [SamplingParams(temperature=1.0, seed=seed, max_tokens=12) for seed in range(6)] * 2
@@ -140,13 +139,24 @@ def test_repeated_requests_decode_as_without_the_cache_on_target_and_draft():
     assert cached.target.num_kept == cached.proposer.runner.num_kept == 1
 
 
-def test_caches_on_one_runner_keep_apart_one_after_another():
-    """Engines come and go on a long-lived runner (a drafter's, a test's): a new cache's kept sessions never
-    collide with those of an earlier one still held there."""
-    runner = TorchModelRunner(tiny_llama(seed=5))
-    for i in range(20):  # each engine dropped before the next: its cache may get the freed one's id()
-        engine = VerifierEngine(runner, prompt_cache_tokens=64)
-        engine.open("s", [i % 10, *PROMPT[1:]], SamplingParams())
+def test_engines_on_one_runner_share_its_kept_prompts():
+    """Engines and proposers come and go on a long-lived runner: its kept prompts serve each of them."""
+    runner = TorchModelRunner(tiny_llama(seed=5), prompt_cache_tokens=64)
+    for i in range(5):
+        engine = VerifierEngine(runner)
+        engine.open("s", PROMPT, SamplingParams())
         engine.release("s")
-        del engine
-    assert runner.num_kept == 20 and runner.num_sessions == 0
+    assert runner.prompt_cache.stats.hits == 4 and runner.num_kept == 1 and runner.num_sessions == 0
+
+
+def test_caches_on_one_runner_keep_apart_one_after_another():
+    """Several caches over one runner (a tensor-parallel leader's over its rank's runner, which has its own):
+    one made after another was dropped may get its id(), never its kept sessions' names."""
+    runner = TorchModelRunner(tiny_llama(seed=5))
+    runner.add_session("s")
+    runner.extend("s", PROMPT, num_logits=0)
+    for i in range(20):
+        cache = PromptCache(runner, 64)
+        assert cache.keep("s", PROMPT[:-1] + [i % 10])
+        del cache
+    assert runner.num_kept == 20 and runner.num_sessions == 1

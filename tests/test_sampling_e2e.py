@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 import cluster.core.rejection as rejection
+from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.core.sampling import SamplingParams, probabilities
 from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
@@ -65,7 +66,7 @@ PROMPT = [1, 4, 2, 7]
 
 
 def _sample_many(target_model, proposer_factory, params, n, length, gamma, **loop):
-    decoder = SpeculativeDecoder(TorchModelRunner(target_model), proposer_factory(), None, gamma, **loop)
+    decoder = SpeculativeDecoder(TorchModelRunner(target_model, prompt_cache_tokens=PROMPT_CACHE_TOKENS), proposer_factory(), None, gamma, **loop)
     return [tuple(decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": length})).token_ids)
             for i in range(n)]
 
@@ -76,7 +77,7 @@ def test_draft_model_speculation_follows_target(tiny_pair, kw):
     target, draft = tiny_pair
     params = SamplingParams(**kw)
     exact = exact_continuation_probs(target, PROMPT, 3, params)
-    samples = _sample_many(target, lambda: DraftModelProposer(TorchModelRunner(draft)), params, 2500, 3, gamma=2)
+    samples = _sample_many(target, lambda: DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), params, 2500, 3, gamma=2)
     assert chi_square_pvalue(samples, exact) > FALSE_ALARM
 
 
@@ -85,7 +86,7 @@ def test_ngram_speculation_follows_target(tiny_pair, proposer):
     target, _ = tiny_pair
     params = SamplingParams(temperature=1.0)
     exact = exact_continuation_probs(target, PROMPT, 3, params)
-    decoder = SpeculativeDecoder(TorchModelRunner(target), proposer(), None, 3)
+    decoder = SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS), proposer(), None, 3)
     results = [decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})) for i in range(2500)]
     drafted, accepted = sum(r.stats.drafted for r in results), sum(r.stats.accepted for r in results)
     assert drafted > 100 and 0 < accepted < drafted  # matches of the prompt were drafted, both paths ran
@@ -99,7 +100,7 @@ def test_pipelined_loop_sampling_follows_target(tiny_pair, gamma):
     target, draft = tiny_pair
     params = SamplingParams(temperature=1.0)
     exact = exact_continuation_probs(target, PROMPT, 4, params)
-    decoder = SpeculativeDecoder(TorchModelRunner(target), DraftModelProposer(TorchModelRunner(draft)), None, gamma,
+    decoder = SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS), DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), None, gamma,
                                  pipeline_depth=2, overlap=True, fill_min_redraft=0.0)  # fills not left to timing
     samples = [tuple(decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": 4})).token_ids)
                for i in range(2000)]
@@ -114,7 +115,7 @@ def test_token_tree_rounds_sampling_follows_target(tiny_pair):
     target, draft = tiny_pair
     params = SamplingParams(temperature=1.0)
     exact = exact_continuation_probs(target, PROMPT, 3, params)
-    decoder = SpeculativeDecoder(TorchModelRunner(target), DraftModelProposer(TorchModelRunner(draft), tree_width=2),
+    decoder = SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS), DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS), tree_width=2),
                                  None, 2)
     samples = [tuple(decoder.generate(PROMPT, params.model_copy(update={"seed": i, "max_tokens": 3})).token_ids)
                for i in range(2500)]
@@ -128,7 +129,7 @@ def test_end_to_end_test_catches_a_wrong_residual(tiny_pair, monkeypatch):
     target, draft = tiny_pair
     params = SamplingParams(temperature=1.0)
     exact = exact_continuation_probs(target, PROMPT, 3, params)
-    samples = _sample_many(target, lambda: DraftModelProposer(TorchModelRunner(draft)), params, 2500, 3, gamma=2)
+    samples = _sample_many(target, lambda: DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), params, 2500, 3, gamma=2)
     assert chi_square_pvalue(samples, exact) < 1e-6
 
 
@@ -137,8 +138,8 @@ def test_smollm2_sampling_with_int8_draft_follows_target(target_fp32, draft_int8
     prompt = tokenizer("My favourite colour is")["input_ids"]
     params = SamplingParams(temperature=1.0, top_k=4)
     exact = exact_continuation_probs(target_fp32, prompt, 2, params)
-    target = TorchModelRunner(target_fp32)
-    decoder = SpeculativeDecoder(target, DraftModelProposer(TorchModelRunner(draft_int8)), tokenizer, 4)
+    target = TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
+    decoder = SpeculativeDecoder(target, DraftModelProposer(TorchModelRunner(draft_int8, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), tokenizer, 4)
     samples = [tuple(decoder.generate(prompt, params.model_copy(update={"seed": i, "max_tokens": 2})).token_ids)
                for i in range(200)]
     assert decoder.proposer is not None
@@ -147,7 +148,7 @@ def test_smollm2_sampling_with_int8_draft_follows_target(target_fp32, draft_int8
 
 def test_seeded_request_is_reproducible(tiny_pair):
     target, draft = tiny_pair
-    decoder = SpeculativeDecoder(TorchModelRunner(target), DraftModelProposer(TorchModelRunner(draft)), None, 3)
+    decoder = SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS), DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), None, 3)
     params = SamplingParams(temperature=1.0, max_tokens=12)
     runs = [decoder.generate(PROMPT, params.model_copy(update={"seed": s})).token_ids for s in (5, 5, 6)]
     assert runs[0] == runs[1] and runs[0] != runs[2]

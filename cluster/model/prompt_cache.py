@@ -53,6 +53,12 @@ class PromptCache:
         self._lock = threading.Lock()
         self.on_hit: Callable[[int], None] | None = None  # called with the prefill tokens each hit saved (metrics)
 
+    @staticmethod
+    def of(runner) -> "PromptCache":
+        """The runner's own (`TorchModelRunner(prompt_cache_tokens=...)`), or a disabled one for a runner without."""
+        cache = getattr(runner, "prompt_cache", None)
+        return cache if cache is not None else PromptCache(runner, 0)
+
     @property
     def enabled(self) -> bool:
         return self.max_tokens > 0

@@ -22,6 +22,7 @@ from cluster.core.tree import additive_mask
 from cluster.model.cache import new_cache
 from cluster.model.graphs import GraphedDecode
 from cluster.model.packed import PackedCache, chain_mask, packed_attention, placeholder_mask
+from cluster.model.prompt_cache import PromptCache
 
 if TYPE_CHECKING:
     from cluster.core.tree import TokenTree
@@ -51,12 +52,15 @@ class TorchModelRunner:
 
     def __init__(self, model: torch.nn.Module, name: str = "model", cuda_graphs: int = 0,
                  graph_capacity: int = 2048, capture: bool | None = None, graph_tokens: int = 8,
-                 feature_layers: Sequence[int] | None = None):
+                 feature_layers: Sequence[int] | None = None, prompt_cache_tokens: int = 0):
         """`cuda_graphs` > 0: up to that many sessions at once hold a fixed buffer of `graph_capacity`
         tokens, and their steps of up to `graph_tokens` tokens (plain and draft steps, chain
         verification) replay CUDA graphs (graphs.py). Without CUDA it is ignored
         (logged) unless `capture=False` asks for the same static forward run eagerly, which is how its
-        exactness is tested without a GPU. `feature_layers`: what a captured session's features are (below)."""
+        exactness is tested without a GPU. `feature_layers`: what a captured session's features are (below).
+        `prompt_cache_tokens`: the prompts' KV kept after their sessions end, for a later session (of any engine
+        or proposer on this runner) that prefills exactly the same tokens (`prompt_cache`); 0: none (the engines
+        `EngineConfig` builds keep `prompt_cache_tokens`, `PROMPT_CACHE_TOKENS` by default)."""
         self.model = model.eval()
         self.name = name
         config = model.config.get_text_config(decoder=True)
@@ -67,6 +71,7 @@ class TorchModelRunner:
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self._sessions: dict[SessionId, _Session] = {}
         self._kept: set[SessionId] = set()  # sessions that hold a prompt's KV (`add_session(kept=True)`)
+        self.prompt_cache = PromptCache(self, prompt_cache_tokens, name=f"{name}/prompt-cache")
         self._ids = itertools.count()
         # sessions whose features each forward keeps, for a feature-fed draft; `hidden[session]` holds the last
         # forward's rows  # [new positions, H] bf16: the last hidden state (post-norm: what the head reads), or

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from cluster.core import grammar
 from cluster.model.models import load_tokenizer, parse_dtype
+from cluster.model.prompt_cache import PromptCache
 from cluster.model.runner import TorchModelRunner
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class TPLeaderRunner:
         self.runner = runner
         self.vocab_size, self.max_context = runner.vocab_size, runner.max_context
         self.broken: str | None = None  # why the group cannot run collectives any more
+        # the kept prompts, through the broadcast verbs (each rank holds its shard of their KV)
+        self.prompt_cache = PromptCache(self, runner.prompt_cache.max_tokens, name=f"{runner.name}/prompt-cache")
 
     def _call(self, name: str, *args):
         if self.broken:

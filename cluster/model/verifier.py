@@ -54,12 +54,11 @@ class _Session:
 class VerifierEngine:
     """Owns a target runner; `step()` verifies the oldest pending round of every session at once."""
 
-    def __init__(self, runner: TorchModelRunner, max_batch: int = 32, prompt_cache_tokens: int = 0):
-        """`prompt_cache_tokens`: the prompt KV kept after sessions end for a later session that opens with
-        the same tokens (`cluster.model.prompt_cache`: exact matches only, bit for bit a prefill's); 0: none."""
+    def __init__(self, runner: TorchModelRunner, max_batch: int = 32):
         self.runner = runner
-        self.prompt_cache = PromptCache(runner, prompt_cache_tokens if hasattr(runner, "share_prefix") else 0,
-                                        name="prompt-cache")
+        # the runner's kept prompts (`cluster.model.prompt_cache`: a session that opens with exactly the prefilled
+        # tokens of an earlier one copies their KV, bit for bit a prefill's); a runner without any: none
+        self.prompt_cache = PromptCache.of(runner)
         self.max_batch = max_batch
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Condition()

@@ -219,14 +219,15 @@ class VerifierRank:
             log.warning("cuda_graphs ignored with tensor parallelism (the ranks' collectives are not captured)")
         runner = TorchModelRunner(model, name=f"{replica}/rank{rank}",
                                   cuda_graphs=config.cuda_graphs if world_size == 1 else 0,
-                                  feature_layers=target_feature_layers(config))
+                                  feature_layers=target_feature_layers(config),
+                                  prompt_cache_tokens=config.prompt_cache_tokens)
         self.port, self._endpoint = None, None
         if world_size > 1:
             if rank != 0:
                 threading.Thread(target=follow, args=(runner,), daemon=True, name="tp-follower").start()
                 return
             runner = TPLeaderRunner(runner)
-        self.engine = VerifierEngine(runner, prompt_cache_tokens=config.prompt_cache_tokens)
+        self.engine = VerifierEngine(runner)
         host = bind_host(config.network)
         self.server, self.port = serve(self.engine, replica, host, 0, world_size, network=config.network)
         self._endpoint = advertised_endpoint(replica, host, self.port, config.network)

@@ -33,6 +33,6 @@ def build_decoder(config: EngineConfig) -> SpeculativeDecoder:
     if config.onednn:  # after the proposer: a draft copied from the target copies plain linears
         pack_linears(target_model, "target")
     target = TorchModelRunner(target_model, name="target", cuda_graphs=config.cuda_graphs,
-                              feature_layers=target_feature_layers(config))
+                              feature_layers=target_feature_layers(config), prompt_cache_tokens=config.prompt_cache_tokens)
     return SpeculativeDecoder(target, proposer, tokenizer,
-                              config.num_speculative_tokens, prompt_cache_tokens=config.prompt_cache_tokens)
+                              config.num_speculative_tokens)

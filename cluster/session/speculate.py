@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import GenerationResult, SpeculationStats
@@ -43,19 +42,17 @@ class SpeculativeDecoder:
                  num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] | None = None,
                  policy: SpeculationPolicy | None = None, pipeline_depth: int = 1, fill_bubbles: bool = True,
                  balance_pipeline: bool = False, overlap: bool = False, fill_min_redraft: float = 0.5,
-                 own_matches: bool = True, prompt_cache_tokens: int = PROMPT_CACHE_TOKENS):
+                 own_matches: bool = True):
         """`policy`: a `drafts.policy.SpeculationPolicy` choosing γ per round (≤ num_speculative_tokens)
         from the session's running α and the measured cost ratio; None drafts γ every round. `own_matches`: with
         a hybrid proposer with long match rounds, the loop drafts long matches of the session's own suffix
-        itself (`SessionLoop.own_match`), in sequential rounds and in the plain steps the policy chooses.
-        `prompt_cache_tokens`: the target's prompt KV kept for a later request with the same prompt
-        (`cluster.model.prompt_cache`, bit for bit a prefill's); 0: none."""
+        itself (`SessionLoop.own_match`), in sequential rounds and in the plain steps the policy chooses."""
         if num_speculative_tokens < 0:
             raise InvalidRequestError(f"{num_speculative_tokens=} must be >= 0")
         if pipeline_depth < 1:
             raise InvalidRequestError(f"{pipeline_depth=} must be >= 1")
         self.target = target
-        self.engine = VerifierEngine(target, prompt_cache_tokens=prompt_cache_tokens)
+        self.engine = VerifierEngine(target)
         self.proposer = proposer
         self.tokenizer = tokenizer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0

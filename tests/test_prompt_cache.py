@@ -160,3 +160,11 @@ def test_caches_on_one_runner_keep_apart_one_after_another():
         assert cache.keep("s", PROMPT[:-1] + [i % 10])
         del cache
     assert runner.num_kept == 20 and runner.num_sessions == 1
+
+
+def test_the_benchmark_opens_prefill_without_the_cache_and_copy_with_it():
+    from tools.prompt_cache_bench import measure
+
+    result = measure(tiny_llama(seed=5), lambda text: {"input_ids": [ord(c) % 10 for c in text]}, lengths=(8, 24))
+    assert set(result) == {8, 24}
+    assert all(row["hits"] == 5 and row["prefill_ms"] > 0 and row["kept_ms"] > 0 for row in result.values())

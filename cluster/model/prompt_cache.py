@@ -8,7 +8,7 @@ may round differently in the last bit, so a prompt that merely shares a prefix i
 
 What repeats exactly: the same prompt sampled many times (best-of-n and pass@k across requests, the statistical
 tests), a retried request, the same chat turn sent again. The kept tokens are bounded (`max_tokens`, least
-recently used first out); each is held as a session of its own on the runner (`prompt-cache/ID/N`), its buffers
+recently used first out); each is held as a session of its own on the runner (`NAME/prompt-cache/N`), its buffers
 exactly as long as the prompt.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 
-_INSTANCES = itertools.count()
+_GHOSTS = itertools.count()  # the kept sessions' names, unique in the process: several caches may share a runner
 
 
 @dataclass
@@ -48,8 +48,6 @@ class PromptCache:
         self.stats = PromptCacheStats()
         self.tokens = 0  # held now
         self._kept: OrderedDict[tuple, tuple[str, int]] = OrderedDict()  # key -> (runner session, length)
-        self._ids = itertools.count()
-        self._instance = next(_INSTANCES)  # not id(self): a later cache on the same runner may get a freed id
         self._lock = threading.Lock()
         self.on_hit: Callable[[int], None] | None = None  # called with the prefill tokens each hit saved (metrics)
 
@@ -72,12 +70,13 @@ class PromptCache:
         kept (the caller prefills)."""
         if not self.enabled or not tokens:
             return False
+        key = self._key(tokens)
         with self._lock:
-            entry = self._kept.get(self._key(tokens))
+            entry = self._kept.get(key)
             if entry is None:
                 self.stats.misses += 1
                 return False
-            self._kept.move_to_end(self._key(tokens))
+            self._kept.move_to_end(key)
             ghost, length = entry
         self.runner.share_prefix(ghost, session, length)
         with self._lock:
@@ -99,7 +98,7 @@ class PromptCache:
             if key in self._kept:
                 self._kept.move_to_end(key)
                 return False
-            ghost = f"{self.name}/{self._instance}/{next(self._ids)}"  # several caches (engines) may share a runner
+            ghost = f"{self.name}/{next(_GHOSTS)}"
         self.runner.add_session(ghost, capacity=n, kept=True)
         self.runner.share_prefix(session, ghost, n)
         dropped = []

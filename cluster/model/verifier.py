@@ -98,14 +98,14 @@ class VerifierEngine:
                 self.runner.capture.add(session)
             try:
                 opened = tuple(int(t) for t in token_ids)
-                donor = None if features or params.prompt_logprobs is not None else self._prefix_donor(opened)
+                shareable = not features and params.prompt_logprobs is None  # both need the prefill's own rows
+                donor = self._prefix_donor(opened) if shareable else None
                 threads = self._sessions[donor].threads if donor is not None else torch.get_num_threads()
                 if donor is not None:  # the same prompt, prefilled already: its KV, bit for bit what a prefill gives
                     self.runner.share_prefix(donor, session, len(token_ids) - 1)
                     self.shared_prefills += 1
-                elif len(token_ids) > 1 and not features and params.prompt_logprobs is None and \
-                        self.prompt_cache.take(opened[:-1], session):  # an earlier session's prefill of them, kept
-                    pass
+                elif shareable and len(token_ids) > 1 and self.prompt_cache.take(opened[:-1], session):
+                    pass  # an earlier session's prefill of the same tokens, kept
                 elif len(token_ids) > 1:  # with prompt_logprobs, row i: the raw logits after token i  # [n - 1, vocab]
                     rows = self.runner.extend(session, list(token_ids[:-1]),
                                               num_logits=None if params.prompt_logprobs is not None else 0)

@@ -129,3 +129,59 @@ def test_a_capture_that_fails_leaves_those_steps_eager(target_fp32, prompt_ids, 
     stats = runner.graphs.stats
     assert stats.capture_failures == 1 and stats.replays == 0 and stats.eager_steps == 0  # one failure per (slot, n)
     assert "capture of a 1-token step failed" in caplog.text
+
+
+
+def _tiny_llama() -> torch.nn.Module:
+    """A two-layer Llama with random weights (what the trace depends on is the code, not the weights or the size)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_the_graphed_forward_reads_no_host_state(monkeypatch):
+    """What a CUDA graph freezes, checked on CPU. A graph replays the kernels its capture launched: a value the
+    forward computed on the host at capture (a cursor, a length, a branch on a tensor's value) is replayed
+    as it was then. TorchDynamo traces the same way and says when a trace would not hold: each (slot, n)
+    forward is traced at its first use, as it would be captured, with `fullgraph` (a graph break is a host
+    sync or Python reading a tensor's value: a capture would fail) and no recompile allowed (a guard that
+    fails at a later step is host state the forward read that has changed since: a replay would be wrong).
+    The traced forwards then serve plain decoding and speculation with rollbacks, in two sessions after
+    each other in the same slots, with the eager runner's greedy output."""
+    import torch._dynamo
+
+    model = _tiny_llama()
+    eager = TorchModelRunner(model, "eager")
+    prompts = [[(7 * i + 3) % 512 for i in range(n)] for n in (9, 23)]
+    expected = [_plain(eager, ids) for ids in prompts]
+    traced, calls = {}, []
+    static_forward = GraphedDecode._static_forward
+
+    def as_captured(self, cache, g, forward):
+        if id(g) not in traced:  # a fresh code object per graph: Dynamo keeps its traces per code object
+            def replay():
+                return static_forward(self, cache, g, forward)
+            replay.__code__ = replay.__code__.replace(co_name=f"graph_{len(traced)}")
+            traced[id(g)] = (g.ids.shape[1], torch.compile(replay, fullgraph=True, backend="eager", dynamic=False))
+        calls.append(id(g))
+        return traced[id(g)][1]()
+
+    monkeypatch.setattr(GraphedDecode, "_static_forward", as_captured)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            target = TorchModelRunner(model, "target", cuda_graphs=1, capture=False, graph_capacity=96)
+            draft = TorchModelRunner(model, "draft", cuda_graphs=1, capture=False, graph_capacity=96)
+            for proposer in (None, DraftModelProposer(draft)):
+                for ids, want in zip(prompts, expected):
+                    assert _plain(target, ids) == want if proposer is None else \
+                        SpeculativeDecoder(target, proposer, None, 4).generate(
+                            ids, SamplingParams(max_tokens=MAX_TOKENS)).token_ids == want
+    finally:
+        torch._dynamo.reset()
+    sizes = sorted(n for n, _ in traced.values())
+    assert sizes[:1] == [1] and 5 in sizes, sizes  # one-token steps (target and draft) and the chain of γ + 1
+    assert len(calls) > 4 * len(traced) and not target.graphs.stats.slots_lost and not draft.graphs.stats.slots_lost

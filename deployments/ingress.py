@@ -43,8 +43,17 @@ from deployments.openai_responses import (
     CompletionResponse,
     Health,
     ModelList,
+    ResponseEvent,
+    ResponseObject,
     openapi_document,
     route_docs,
+)
+from deployments.openai_responses_api import (
+    RESPONSES_NOT_SERVED,
+    ResponseBuilder,
+    ResponsesRequest,
+    collect_response,
+    response_events,
 )
 from protos import UnreadableRequest, pb
 
@@ -183,29 +192,59 @@ class IngressRoutes:
     async def chat_completions(self, request: Request):
         return await self.http(request, "chat")
 
-    async def http(self, request: Request, kind: Literal["completion", "chat"]):
+    @app.post("/v1/responses", **route_docs(ResponsesRequest, ResponseObject, ResponseEvent,
+                                            "The response; with `stream`, OpenAI's response events."))
+    async def responses(self, request: Request):
+        checked = await self._checked(request, ResponsesRequest, lambda b: self._chat_ids(b.messages()),
+                                      ResponsesRequest.max_new_tokens, RESPONSES_NOT_SERVED)
+        if not isinstance(checked, tuple):
+            return checked
+        body, prompt_ids, params = checked
+        refused, chunks = await open_choices([self._run(prompt_ids, params, body.num_speculative_tokens)])
+        if refused is not None:
+            return self._error(refused)
+        builder = ResponseBuilder(body, len(prompt_ids), self.tokenizer)
+        if body.stream:
+            return StreamingResponse(response_events(chunks, builder), media_type="text/event-stream")
+        try:
+            result = await collect_response(chunks, builder)
+        finally:
+            await chunks.aclose()
+        return self._error(result) if isinstance(result, ErrorChunk) else result
+
+    async def _checked(self, request: Request, model: type, prompt_of, max_tokens_of, reasons=None):
+        """(body, prompt ids, params) of a valid request to a generation route, or the error response to send."""
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         try:
-            body = parse_request(await read_body(request),
-                                 CompletionRequest if kind == "completion" else ChatCompletionRequest)
+            body = parse_request(await read_body(request), model, reasons)
             if body.model != self.config.model_id:
                 raise ApiError(404, f"the model `{body.model}` does not exist; this server serves "
                                     f"`{self.config.model_id}`", param="model", code="model_not_found")
-            if kind == "completion":
-                prompt = body.prompt
-                prompt_ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else prompt
-                max_tokens = body.max_tokens
-            else:
-                prompt_ids = self._chat_ids([m.template_message() for m in body.messages], body.tools, body.tool_mode())
-                max_tokens = body.max_completion_tokens or body.max_tokens
-            params = self._http_params(body, prompt_ids, max_tokens)
+            prompt_ids = prompt_of(body)
+            params = self._http_params(body, prompt_ids, max_tokens_of(body))
             if params.structured_outputs is not None:  # a schema, regex or grammar xgrammar refuses is a 400 here
                 await asyncio.to_thread(grammar.check, params.structured_outputs, self.vocab_size)
         except ApiError as e:
             return e.response()
         except InvalidRequestError as e:
             return error_response(400, str(e))
+        return body, prompt_ids, params
+
+    def _completion_ids(self, body: CompletionRequest) -> list[int]:
+        return list(self.tokenizer(body.prompt)["input_ids"]) if isinstance(body.prompt, str) else body.prompt
+
+    async def http(self, request: Request, kind: Literal["completion", "chat"]):
+        if kind == "completion":
+            checked = await self._checked(request, CompletionRequest, self._completion_ids, lambda b: b.max_tokens)
+        else:
+            checked = await self._checked(
+                request, ChatCompletionRequest,
+                lambda b: self._chat_ids([m.template_message() for m in b.messages], b.tools, b.tool_mode()),
+                lambda b: b.max_completion_tokens or b.max_tokens)
+        if not isinstance(checked, tuple):
+            return checked
+        body, prompt_ids, params = checked
         streams = [self._run(prompt_ids, choice_params(params, i), body.num_speculative_tokens)
                    for i in range(body.n)]
         refused, chunks = await open_choices(streams)

@@ -44,14 +44,16 @@ _PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
 _TEMPERATURE_SCHEMA = {"anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_POSITIVE_FLOAT, "maximum": 2}]}
 
 
-def validation_error(e: ValidationError) -> ApiError:
+def validation_error(e: ValidationError, reasons: dict[str, str] | None = None) -> ApiError:
     """The first problem of a pydantic error as one line naming the field; a field tandem cannot
-    honour says why instead of pydantic's wording."""
+    honour (`reasons`: its name -> why; the completion and chat fields' by default) says why instead of
+    pydantic's wording."""
+    reasons = NOT_SERVED_REASONS if reasons is None else reasons
     first = e.errors()[0]
     loc = [str(x) for x in first.get("loc", ())]
     field = ".".join(loc) or "body"
     names = loc[:1] + (loc[2:3] if loc[:1] == ["messages"] else [])  # field names, not a map's keys
-    reason = next((NOT_SERVED_REASONS[x] for x in names if x in NOT_SERVED_REASONS), None)
+    reason = next((reasons[x] for x in names if x in reasons), None)
     if reason is not None:
         return ApiError(400, f"{field}: not supported by this server: {reason}", param=field,
                         code="unsupported_parameter")
@@ -71,12 +73,13 @@ def _warn_once(names: list[str]) -> None:
                         "; no more names will be logged" if len(_warned) == MAX_WARNED else "")
 
 
-def parse_request(raw: bytes, model: type[CompletionRequest] | type[ChatCompletionRequest]):
-    """A validated request from a raw body; ApiError (400) otherwise. Ignored fields are logged."""
+def parse_request(raw: bytes, model: type[_Lenient], reasons: dict[str, str] | None = None):
+    """A validated request from a raw body; ApiError (400) otherwise (`reasons`: see `validation_error`).
+    Ignored fields are logged."""
     try:
         body = model.model_validate(parse_json_object(raw))
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, reasons) from None
     _warn_once(body.ignored_fields())
     return body
 

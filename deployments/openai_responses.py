@@ -13,8 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest
-from deployments.openai_body import ErrorResponse
+from deployments.openai_body import ErrorBody, ErrorResponse
 from protos import MAX_REQUEST_BYTES
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -193,6 +192,84 @@ class ChatCompletionChunk(BaseModel):
     speculation: Speculation | None = Field(None, description="On the chunk that carries the finish reason.")
 
 
+# ---- the Responses API (/v1/responses; deployments/openai_responses_api.py) ------------------------------
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str = Field(description="The generated text (so far, in a streamed part).")
+    annotations: list = Field(description="Always empty.")
+    logprobs: list[ChatTokenLogprob] = Field(description="With `include: ['message.output_text.logprobs']`: each token's.")
+
+
+class ResponseOutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseOutputText] = Field(description="One text part (none yet when the stream announces the item).")
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int = Field(description="Tokens of the prompt (after the chat template).")
+    input_tokens_details: dict[str, int] = Field(description="`cached_tokens`: 0.")
+    output_tokens: int = Field(description="Tokens generated.")
+    output_tokens_details: dict[str, int] = Field(description="`reasoning_tokens`: 0.")
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A response: the Responses API's envelope of one assistant message."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(description="Unix time.")
+    status: Literal["in_progress", "completed", "incomplete"] = Field(description="`incomplete`: `max_output_tokens` ended it.")
+    error: None = None
+    incomplete_details: dict[str, str] | None = Field(description="`{'reason': 'max_output_tokens'}` when incomplete.")
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[ResponseOutputMessage] = Field(description="The assistant's message (empty until the stream adds it).")
+    parallel_tool_calls: bool
+    previous_response_id: None = None
+    temperature: float
+    top_p: float
+    top_logprobs: int
+    tool_choice: Literal["auto"] = "auto"
+    tools: list = Field(description="Always empty.")
+    text: dict = Field(description="`{'format': ...}` as the request gave it (`{'type': 'text'}` by default).")
+    truncation: Literal["disabled"] = "disabled"
+    store: Literal[False] = Field(False, description="Nothing is stored.")
+    background: Literal[False] = False
+    metadata: dict[str, str]
+    user: str | None = None
+    usage: ResponseUsage | None = Field(description="Once the response is done.")
+    speculation: Speculation | None = Field(None, description="Once the response is done.")
+
+
+class ResponseEvent(BaseModel):
+    """One event of a streamed response (its `type` is also the SSE event's name)."""
+
+    type: Literal["response.created", "response.in_progress", "response.output_item.added",
+                  "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                  "response.content_part.done", "response.output_item.done", "response.completed", "error"]
+    sequence_number: int = Field(description="0, 1, 2, ... within the stream.")
+    response: ResponseObject | None = Field(None, description="On `response.created`, `.in_progress` and `.completed` (whose status may be `incomplete`).")
+    output_index: int | None = Field(None, description="0: the one message.")
+    item: ResponseOutputMessage | None = Field(None, description="On `response.output_item.*`.")
+    item_id: str | None = None
+    content_index: int | None = Field(None, description="0: the one text part.")
+    part: ResponseOutputText | None = Field(None, description="On `response.content_part.*`.")
+    delta: str | None = Field(None, description="On `response.output_text.delta`: new text.")
+    text: str | None = Field(None, description="On `response.output_text.done`: the whole text.")
+    logprobs: list[ChatTokenLogprob] | None = Field(None, description="On text deltas and done: those of the tokens the text carries (with logprobs asked).")
+    code: str | None = Field(None, description="On `error`.")
+    message: str | None = Field(None, description="On `error`.")
+    param: str | None = None
+    error: ErrorBody | None = Field(None, description="On `error` (as the chat streams carry it).")
+
+
 # ---- the OpenAPI document ---------------------------------------------------------------------------
 
 _ERRORS = {400: "A malformed or unsupported request.", 401: "A missing or wrong API key.",
@@ -200,24 +277,25 @@ _ERRORS = {400: "A malformed or unsupported request.", 401: "A missing or wrong 
            503: "The server cannot carry the request now (its queue is full: see Retry-After; or its router "
                 "kept failing); try again.",
            504: "The request ran past the server's `request_timeout_s`."}
-_DOCUMENTED_ELSEWHERE = [CompletionRequest, ChatCompletionRequest, CompletionChunk, ChatCompletionChunk]
+_DOCUMENTED_ELSEWHERE: list[type[BaseModel]] = []  # the models `route_docs` refers to by name
 
 
 def _ref(model: type[BaseModel]) -> dict:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def route_docs(request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel]) -> dict:
+def route_docs(request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel],
+               description: str = "The completion; with `stream`, server-sent events: one chunk each, then `[DONE]`.") -> dict:
     """FastAPI route keywords that document a route whose handler reads the raw body itself (so
     that the size, depth and encoding bounds apply before parsing)."""
-    event = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+    _DOCUMENTED_ELSEWHERE.extend(m for m in (request, chunk) if m not in _DOCUMENTED_ELSEWHERE)
+    event = {"type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {"anyOf": [
         {"const": "[DONE]"},
         {"type": "string", "contentMediaType": "application/json",
          "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}}}
     return {
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}}},
-        "responses": {200: {"model": response, "description": "The completion; with `stream`, server-sent events: "
-                                                               "one chunk each, then `[DONE]`.",
+        "responses": {200: {"model": response, "description": description,
                             "content": {"text/event-stream": {"itemSchema": event}}},
                       **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}},
     }

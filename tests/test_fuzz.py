@@ -2,7 +2,7 @@
 app and sends what it generates, valid (positive) and invalid (negative) requests. No response may be
 a 5xx, and every response must match the status codes, content types and bodies the document states.
 
-Bounded and deterministic: at most 138 cases (derandomized Hypothesis, no example database)."""
+Bounded and deterministic: at most 170 cases (derandomized Hypothesis, no example database)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ MODEL = "SmolLM2-135M-Instruct"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_TOKENS = 4  # positive cases generate at most this many tokens, so that generation stays quick
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
-# (method, path, generation mode, cases): 138 at most; positive cases generate, so fewer of them
+# (method, path, generation mode, cases): 170 at most; positive cases generate, so fewer of them
 OPERATIONS = [("POST", "/v1/completions", POSITIVE, 25), ("POST", "/v1/completions", NEGATIVE, 40),
               ("POST", "/v1/chat/completions", POSITIVE, 25), ("POST", "/v1/chat/completions", NEGATIVE, 40),
+              ("POST", "/v1/responses", POSITIVE, 12), ("POST", "/v1/responses", NEGATIVE, 20),
               ("GET", "/v1/models", POSITIVE, 4), ("GET", "/health", POSITIVE, 4)]
 
 
@@ -49,7 +50,7 @@ def _servable(case, vocab_size: int) -> None:
     body["model"] = MODEL
     if isinstance(body.get("prompt"), list) and all(isinstance(t, (int, float)) for t in body["prompt"]):
         body["prompt"] = [int(t) % vocab_size for t in body["prompt"]]
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(key), (int, float)):
             body[key] = min(int(body[key]), MAX_TOKENS)
     if isinstance(body.get("n"), (int, float)):  # n choices are n sessions: at most 2 here

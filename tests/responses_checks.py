@@ -1,0 +1,90 @@
+"""Checks of the Responses API (`POST /v1/responses`) through the real `openai` client, shared by the torch
+application's tests (test_serving) and the vLLM application's (test_vllm_serving): what a client of
+`vllm serve` sends to it works unchanged, and the text is the target's greedy text."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+STREAM_ORDER = ["response.created", "response.in_progress", "response.output_item.added",
+                "response.content_part.added"]
+STREAM_END = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def assert_responses_greedy(client: openai.OpenAI, tokenizer, prompt: str, prompt_ids: list[int], ref: list[int],
+                            max_tokens: int) -> None:
+    """`prompt` as the user's one message; `ref`: the target's greedy tokens for its chat prompt `prompt_ids`
+    (at most `max_tokens` of them). Non-streamed, streamed, and through the client's stream helper."""
+    text = tokenizer.decode(ref, skip_special_tokens=True)
+    status = "incomplete" if len(ref) == max_tokens and ref[-1] != tokenizer.eos_token_id else "completed"
+    r = client.responses.create(model=MODEL, input=prompt, max_output_tokens=max_tokens, temperature=0)
+    assert r.output_text == text and r.status == status and r.object == "response" and r.id.startswith("resp_")
+    assert (r.incomplete_details.reason if r.incomplete_details else None) == \
+        ("max_output_tokens" if status == "incomplete" else None)
+    assert [(o.type, o.role, [c.type for c in o.content]) for o in r.output] == [("message", "assistant", ["output_text"])]
+    assert r.usage.input_tokens == len(prompt_ids) and r.usage.output_tokens == len(ref)
+    assert r.usage.total_tokens == len(prompt_ids) + len(ref) and r.store is False
+    assert r.model_extra["speculation"]["rounds"] > 0
+
+    events = list(client.responses.create(model=MODEL, input=[{"role": "user", "content": prompt}],
+                                          max_output_tokens=max_tokens, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert kinds == STREAM_ORDER + ["response.output_text.delta"] * len(deltas) + STREAM_END + ["response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in deltas) == text and len(deltas) >= 2  # streamed as it is generated
+    final = events[-1].response
+    assert final.output_text == text and final.status == status and final.usage.output_tokens == len(ref)
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+
+    with client.responses.stream(model=MODEL, input=prompt, max_output_tokens=max_tokens, temperature=0) as stream:
+        helper_text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        assert stream.get_final_response().output_text == helper_text == text
+
+
+def assert_responses_features(client: openai.OpenAI, http: str, api_key: str | None = None) -> None:
+    """Instructions, a conversation of items, `text.format` (a JSON schema the output follows), logprobs, and
+    the fields a server with no response store refuses: each a clear 400 naming the field."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    r = client.responses.create(
+        model=MODEL, instructions="Answer in JSON.", max_output_tokens=48, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Name a city in France."}]},
+               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Paris."}]},
+               {"role": "user", "content": "Another one, please."}],
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}})
+    assert r.output_text.lstrip().startswith("{")  # the grammar holds from the first token
+    if r.status == "completed":  # (a 135M model may still be inside the string at 48 tokens)
+        answer = json.loads(r.output_text)
+        assert set(answer) == {"city"} and isinstance(answer["city"], str)
+    assert r.text.format.type == "json_schema" and r.instructions == "Answer in JSON."
+
+    r = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0, top_logprobs=2,
+                                include=["message.output_text.logprobs"])
+    entries = r.output[0].content[0].logprobs
+    assert len(entries) == r.usage.output_tokens and all(len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.logprob <= e.top_logprobs[0].logprob + 1e-6 for e in entries)
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    refused = [({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+               ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "chat/completions"),
+               ({"background": True}, "background", "not supported"),
+               ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input", "not served"),
+               ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
+                "only text parts"),
+               ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1")]
+    for fields, param, needle in refused:
+        body = {"model": MODEL, "input": "hi", **fields}
+        out = httpx.post(http + "/v1/responses", json=body, headers=headers, timeout=60)
+        assert out.status_code == 400, (fields, out.text)
+        error = out.json()["error"]
+        assert error["param"].startswith(param) and needle in error["message"], (fields, error)
+    out = httpx.post(http + "/v1/responses", json={"model": "nope", "input": "hi"}, headers=headers, timeout=60)
+    assert out.status_code == 404 and out.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="stores no responses"):
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")

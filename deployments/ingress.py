@@ -48,6 +48,16 @@ from deployments.openai_responses import (
     openapi_document,
     route_docs,
 )
+from deployments.openai_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    Version,
+    detokenize,
+    tandem_version,
+    tokenize,
+)
 from deployments.openai_responses_api import (
     RESPONSES_NOT_SERVED,
     ResponseBuilder,
@@ -145,13 +155,14 @@ class IngressRoutes:
                               skip_special_tokens=body.skip_special_tokens, structured_outputs=body.structured(),
                               **body.processor_fields(self.tokenizer), **body.logprob_fields())
 
-    def _chat_ids(self, messages: list[dict], tools=None, tool_mode: str | None = None) -> list[int]:
+    def _chat_ids(self, messages: list[dict], tools=None, tool_mode: str | None = None,
+                  add_generation_prompt: bool = True) -> list[int]:
         """The prompt of a conversation (OpenAI-shaped message dicts), with the tools where they are in play."""
         if not messages:
             raise InvalidRequestError("messages: at least one message is required")
         messages, listed = openai_tools.template_messages(messages, tools, tool_mode, self.tokenizer.chat_template or "")
         try:
-            return list(self.tokenizer.apply_chat_template(messages, tools=listed, add_generation_prompt=True,
+            return list(self.tokenizer.apply_chat_template(messages, tools=listed, add_generation_prompt=add_generation_prompt,
                                                            tokenize=True, return_dict=False))
         except TemplateError as e:  # a model's template may refuse an order of roles
             raise InvalidRequestError(f"messages: the model's chat template refused them: {e}") from None
@@ -212,15 +223,45 @@ class IngressRoutes:
             await chunks.aclose()
         return self._error(result) if isinstance(result, ErrorChunk) else result
 
+    # vLLM's tokenizer routes (deployments/openai_tokenize.py)
+
+    @app.post("/tokenize", **route_docs(TokenizeRequest, TokenizeResponse, None, "The prompt's tokens."))
+    async def tokenize(self, request: Request):
+        def chat_ids(messages, tools, add_generation_prompt):
+            return self._chat_ids(messages, tools, "auto" if tools else None, add_generation_prompt)
+
+        return await self._tokenizer_route(request, TokenizeRequest,
+                                           lambda b: tokenize(b, self.tokenizer, chat_ids, self.context_limit))
+
+    @app.post("/detokenize", **route_docs(DetokenizeRequest, DetokenizeResponse, None, "The tokens' text."))
+    async def detokenize(self, request: Request):
+        return await self._tokenizer_route(request, DetokenizeRequest,
+                                           lambda b: detokenize(b, self.tokenizer, self.vocab_size))
+
+    @app.get("/version", responses={200: {"model": Version}})
+    async def version(self):
+        return {"version": tandem_version()}
+
+    async def _tokenizer_route(self, request: Request, model: type, answer):
+        if not self._authorized(request):
+            return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        try:
+            body = parse_request(await read_body(request), model)
+            if body.model is not None:  # optional here, as in vLLM
+                self._check_model(body.model)
+            return answer(body)
+        except ApiError as e:
+            return e.response()
+        except (InvalidRequestError, ValueError) as e:
+            return error_response(400, str(e))
+
     async def _checked(self, request: Request, model: type, prompt_of, max_tokens_of, reasons=None):
         """(body, prompt ids, params) of a valid request to a generation route, or the error response to send."""
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         try:
             body = parse_request(await read_body(request), model, reasons)
-            if body.model != self.config.model_id:
-                raise ApiError(404, f"the model `{body.model}` does not exist; this server serves "
-                                    f"`{self.config.model_id}`", param="model", code="model_not_found")
+            self._check_model(body.model)
             prompt_ids = prompt_of(body)
             params = self._http_params(body, prompt_ids, max_tokens_of(body))
             if params.structured_outputs is not None:  # a schema, regex or grammar xgrammar refuses is a 400 here
@@ -230,6 +271,11 @@ class IngressRoutes:
         except InvalidRequestError as e:
             return error_response(400, str(e))
         return body, prompt_ids, params
+
+    def _check_model(self, name: str) -> None:
+        if name != self.config.model_id:
+            raise ApiError(404, f"the model `{name}` does not exist; this server serves `{self.config.model_id}`",
+                           param="model", code="model_not_found")
 
     def _completion_ids(self, body: CompletionRequest) -> list[int]:
         return list(self.tokenizer(body.prompt)["input_ids"]) if isinstance(body.prompt, str) else body.prompt

@@ -284,20 +284,22 @@ def _ref(model: type[BaseModel]) -> dict:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def route_docs(request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel],
+def route_docs(request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel] | None,
                description: str = "The completion; with `stream`, server-sent events: one chunk each, then `[DONE]`.") -> dict:
     """FastAPI route keywords that document a route whose handler reads the raw body itself (so
-    that the size, depth and encoding bounds apply before parsing)."""
-    _DOCUMENTED_ELSEWHERE.extend(m for m in (request, chunk) if m not in _DOCUMENTED_ELSEWHERE)
-    event = {"type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {"anyOf": [
-        {"const": "[DONE]"},
-        {"type": "string", "contentMediaType": "application/json",
-         "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}}}
+    that the size, depth and encoding bounds apply before parsing); `chunk`: a streamed event's body
+    (None: the route does not stream)."""
+    _DOCUMENTED_ELSEWHERE.extend(m for m in (request, chunk) if m is not None and m not in _DOCUMENTED_ELSEWHERE)
+    ok: dict = {"model": response, "description": description}
+    if chunk is not None:
+        event = {"type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {"anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}}}
+        ok["content"] = {"text/event-stream": {"itemSchema": event}}
     return {
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}}},
-        "responses": {200: {"model": response, "description": description,
-                            "content": {"text/event-stream": {"itemSchema": event}}},
-                      **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}},
+        "responses": {200: ok, **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}},
     }
 
 

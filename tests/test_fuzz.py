@@ -2,7 +2,7 @@
 app and sends what it generates, valid (positive) and invalid (negative) requests. No response may be
 a 5xx, and every response must match the status codes, content types and bodies the document states.
 
-Bounded and deterministic: at most 170 cases (derandomized Hypothesis, no example database)."""
+Bounded and deterministic: at most 200 cases (derandomized Hypothesis, no example database)."""
 
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ MODEL = "SmolLM2-135M-Instruct"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_TOKENS = 4  # positive cases generate at most this many tokens, so that generation stays quick
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
-# (method, path, generation mode, cases): 170 at most; positive cases generate, so fewer of them
+# (method, path, generation mode, cases): 200 at most; positive cases generate, so fewer of them
 OPERATIONS = [("POST", "/v1/completions", POSITIVE, 25), ("POST", "/v1/completions", NEGATIVE, 40),
               ("POST", "/v1/chat/completions", POSITIVE, 25), ("POST", "/v1/chat/completions", NEGATIVE, 40),
               ("POST", "/v1/responses", POSITIVE, 12), ("POST", "/v1/responses", NEGATIVE, 20),
-              ("GET", "/v1/models", POSITIVE, 4), ("GET", "/health", POSITIVE, 4)]
+              ("POST", "/tokenize", POSITIVE, 8), ("POST", "/tokenize", NEGATIVE, 12),
+              ("POST", "/detokenize", POSITIVE, 4), ("POST", "/detokenize", NEGATIVE, 6),
+              ("GET", "/v1/models", POSITIVE, 4), ("GET", "/health", POSITIVE, 4), ("GET", "/version", POSITIVE, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,9 @@ def _servable(case, vocab_size: int) -> None:
     so that positive cases reach generation (a random `model` would only ever get 404)."""
     body = case.body
     body["model"] = MODEL
-    if isinstance(body.get("prompt"), list) and all(isinstance(t, (int, float)) for t in body["prompt"]):
-        body["prompt"] = [int(t) % vocab_size for t in body["prompt"]]
+    for key in ("prompt", "tokens"):  # completions' token-id prompt, /detokenize's ids
+        if isinstance(body.get(key), list) and all(isinstance(t, (int, float)) for t in body[key]):
+            body[key] = [int(t) % vocab_size for t in body[key]]
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(key), (int, float)):
             body[key] = min(int(body[key]), MAX_TOKENS)

@@ -20,7 +20,7 @@ from deployments.config import TandemAppConfig
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
 from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, raylet_pid, serve_app
-from tests.responses_checks import assert_responses_features, assert_responses_greedy
+from tests.openai_checks import assert_responses_features, assert_responses_greedy, assert_tokenizer_routes
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_prompt_logprobs import assert_echo_and_scoring
 
@@ -568,8 +568,13 @@ def test_a_ray_on_one_machine_keeps_no_idle_workers_waiting(server):
 def test_responses_api_greedy_streamed_and_refusals(server, client, tokenizer, prompt_ids, references):
     """/v1/responses (OpenAI's Responses API) through the real client: the chat prompts' greedy text
     (transformers'), as one response, as its event stream and through the client's stream helper; its
-    features and refusals (tests/responses_checks.py)."""
+    features and refusals (tests.openai_checks.py)."""
     for i in (3, 4):
         assert_responses_greedy(client, tokenizer, PROMPTS[i][0], prompt_ids[i], _ref(references, prompt_ids, i),
                                 MAX_TOKENS)
     assert_responses_features(client, server.http, API_KEY)
+
+
+def test_tokenizer_routes(server, tokenizer, prompt_ids):
+    """vLLM's /tokenize (a prompt, or a conversation: the chat route's prompt ids), /detokenize, /version."""
+    assert_tokenizer_routes(server.http, API_KEY, tokenizer, PROMPTS[0][0], PROMPTS[3][0], prompt_ids[3])

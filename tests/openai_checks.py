@@ -1,6 +1,7 @@
-"""Checks of the Responses API (`POST /v1/responses`) through the real `openai` client, shared by the torch
-application's tests (test_serving) and the vLLM application's (test_vllm_serving): what a client of
-`vllm serve` sends to it works unchanged, and the text is the target's greedy text."""
+"""Checks of the routes vLLM's server has beside chat and completions, shared by the torch application's tests
+(test_serving) and the vLLM application's (test_vllm_serving): the Responses API (`POST /v1/responses`) through
+the real `openai` client, where the text is the target's greedy text, and the tokenizer routes (`/tokenize`,
+`/detokenize`, `/version`). What a client of `vllm serve` sends to them works unchanged."""
 
 from __future__ import annotations
 
@@ -88,3 +89,36 @@ def assert_responses_features(client: openai.OpenAI, http: str, api_key: str | N
     assert out.status_code == 404 and out.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="stores no responses"):
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+
+
+def assert_tokenizer_routes(http: str, api_key: str, tokenizer, prompt: str, chat_prompt: str,
+                            chat_ids: list[int]) -> None:
+    """`chat_ids`: the prompt ids chat completions build for `chat_prompt` as the user's message."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+
+    def post(path: str, body: dict, status: int = 200, auth: bool = True) -> dict:
+        out = httpx.post(http + path, json=body, headers=headers if auth else {}, timeout=60)
+        assert out.status_code == status, (path, body, out.text)
+        return out.json()
+
+    context = httpx.get(http + "/v1/models", headers=headers, timeout=60).json()["data"][0]["max_model_len"]
+    ids = list(tokenizer(prompt)["input_ids"])
+    r = post("/tokenize", {"model": MODEL, "prompt": prompt, "return_token_strs": True})
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    assert 0 < r["max_model_len"] <= context
+    r = post("/tokenize", {"messages": [{"role": "user", "content": chat_prompt}]})  # `model` is optional
+    assert r["tokens"] == chat_ids and r["token_strs"] is None
+    bare = post("/tokenize", {"messages": [{"role": "user", "content": chat_prompt}], "add_generation_prompt": False})
+    assert chat_ids[:bare["count"]] == bare["tokens"] and bare["count"] < len(chat_ids)
+    assert post("/detokenize", {"model": MODEL, "tokens": ids})["prompt"] == tokenizer.decode(ids)
+    for path, body, status, needle in [
+            ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "exactly one"),
+            ("/tokenize", {}, 400, "exactly one"),
+            ("/detokenize", {"tokens": [len(tokenizer) + 5]}, 400, "not a token id"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+            ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "does not exist")]:
+        assert needle in post(path, body, status)["error"]["message"], (path, body)
+    assert post("/tokenize", {"prompt": "a"}, 401, auth=False)["error"]["code"] == "invalid_api_key"
+    from importlib.metadata import version
+
+    assert httpx.get(http + "/version", timeout=60).json() == {"version": version("tandem")}

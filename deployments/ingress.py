@@ -206,11 +206,11 @@ class IngressRoutes:
     @app.post("/v1/responses", **route_docs(ResponsesRequest, ResponseObject, ResponseEvent,
                                             "The response; with `stream`, OpenAI's response events."))
     async def responses(self, request: Request):
-        checked = await self._checked(request, ResponsesRequest, lambda b: self._chat_ids(b.messages()),
+        checked = await self._checked(request, ResponsesRequest, lambda b: [self._chat_ids(b.messages())],
                                       ResponsesRequest.max_new_tokens, RESPONSES_NOT_SERVED)
         if not isinstance(checked, tuple):
             return checked
-        body, prompt_ids, params = checked
+        body, [prompt_ids], [params] = checked
         refused, chunks = await open_choices([self._run(prompt_ids, params, body.num_speculative_tokens)])
         if refused is not None:
             return self._error(refused)
@@ -255,30 +255,31 @@ class IngressRoutes:
         except (InvalidRequestError, ValueError) as e:
             return error_response(400, str(e))
 
-    async def _checked(self, request: Request, model: type, prompt_of, max_tokens_of, reasons=None):
-        """(body, prompt ids, params) of a valid request to a generation route, or the error response to send."""
+    async def _checked(self, request: Request, model: type, prompts_of, max_tokens_of, reasons=None):
+        """(body, its prompts' ids, their params) of a valid request to a generation route (`prompts_of`: the
+        body's prompts, tokenized), or the error response to send."""
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         try:
             body = parse_request(await read_body(request), model, reasons)
             self._check_model(body.model)
-            prompt_ids = prompt_of(body)
-            params = self._http_params(body, prompt_ids, max_tokens_of(body))
-            if params.structured_outputs is not None:  # a schema, regex or grammar xgrammar refuses is a 400 here
-                await asyncio.to_thread(grammar.check, params.structured_outputs, self.vocab_size)
+            prompts = prompts_of(body)
+            params = [self._http_params(body, ids, max_tokens_of(body)) for ids in prompts]
+            if params[0].structured_outputs is not None:  # a schema, regex or grammar xgrammar refuses is a 400 here
+                await asyncio.to_thread(grammar.check, params[0].structured_outputs, self.vocab_size)
         except ApiError as e:
             return e.response()
         except InvalidRequestError as e:
             return error_response(400, str(e))
-        return body, prompt_ids, params
+        return body, prompts, params
 
     def _check_model(self, name: str) -> None:
         if name != self.config.model_id:
             raise ApiError(404, f"the model `{name}` does not exist; this server serves `{self.config.model_id}`",
                            param="model", code="model_not_found")
 
-    def _completion_ids(self, body: CompletionRequest) -> list[int]:
-        return list(self.tokenizer(body.prompt)["input_ids"]) if isinstance(body.prompt, str) else body.prompt
+    def _completion_ids(self, body: CompletionRequest) -> list[list[int]]:
+        return [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else p for p in body.prompts()]
 
     async def http(self, request: Request, kind: Literal["completion", "chat"]):
         if kind == "completion":
@@ -286,27 +287,29 @@ class IngressRoutes:
         else:
             checked = await self._checked(
                 request, ChatCompletionRequest,
-                lambda b: self._chat_ids([m.template_message() for m in b.messages], b.tools, b.tool_mode()),
+                lambda b: [self._chat_ids([m.template_message() for m in b.messages], b.tools, b.tool_mode())],
                 lambda b: b.max_completion_tokens or b.max_tokens)
         if not isinstance(checked, tuple):
             return checked
-        body, prompt_ids, params = checked
-        streams = [self._run(prompt_ids, choice_params(params, i), body.num_speculative_tokens)
-                   for i in range(body.n)]
+        body, prompts, params = checked  # choice p * n + j: prompt p's choice j (vLLM's order)
+        streams = [self._run(ids, choice_params(prm, j), body.num_speculative_tokens)
+                   for ids, prm in zip(prompts, params) for j in range(body.n)]
         refused, chunks = await open_choices(streams)
         if refused is not None:  # a refusal (queue full, ...) still gets its status code, not a 200 stream
             return self._error(refused)
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        logprobs = LogprobFormat(self.tokenizer, kind) if params.logprobs is not None else None
-        echo = Echo(body.echo_text(self.tokenizer), prompt_ids[0], params.prompt_logprobs is not None) \
+        choices, prompt_tokens = len(streams), sum(len(ids) for ids in prompts)
+        logprobs = LogprobFormat(self.tokenizer, kind) if params[0].logprobs is not None else None
+        echo = [Echo(body.echo_text(p, self.tokenizer), ids[0], params[0].prompt_logprobs is not None)
+                for p, ids in zip(body.prompts(), prompts) for _ in range(body.n)] \
             if kind == "completion" and body.echo else None
         tools = body.tool_mode() if kind == "chat" else None  # tool calls parsed out of each choice's text
         if body.stream:
-            events = sse(chunks, body.n, kind, request_id, body.model, body.usage_options(),
-                         len(prompt_ids), body.return_token_ids, logprobs, echo)
+            events = sse(chunks, choices, kind, request_id, body.model, body.usage_options(),
+                         prompt_tokens, body.return_token_ids, logprobs, echo)
             return StreamingResponse(openai_tools.stream(events, tools), media_type="text/event-stream")
         try:
-            result = await collect(chunks, body.n, kind, request_id, body.model, len(prompt_ids),
+            result = await collect(chunks, choices, kind, request_id, body.model, prompt_tokens,
                                    body.return_token_ids, logprobs, echo, LogprobFormat(self.tokenizer, kind))
         finally:
             await chunks.aclose()

@@ -31,16 +31,19 @@ NOT_SERVED = "Not supported: "  # the description prefix of fields accepted only
 MAX_STOP = 16  # stop strings per request (cluster.core.sampling.SamplingParams)
 MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids (cluster.core.sampling.MAX_TOKEN_LIST)
 MAX_N = 16  # choices per request (n, best_of)
+MAX_PROMPTS = 64  # prompts in one completions request (a batch)
+MAX_SESSIONS = 64  # prompts x n: sessions one request opens
 MAX_BAD_WORDS = 64  # bad_words strings (each may tokenize two ways: at most SamplingParams' 128 sequences)
 
 # Exact schemas of the fields whose before-validators give their own messages (a pydantic union would
 # report each member's failure); the token ids' upper bound is the model's vocabulary, checked later.
 _STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
                           {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP}]}
-_PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
-                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-                            {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_UINT32},
-                             "minItems": 1}]}
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_UINT32}, "minItems": 1}
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS_SCHEMA,
+                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                             "maxItems": MAX_PROMPTS},
+                            {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": MAX_PROMPTS}]}
 _TEMPERATURE_SCHEMA = {"anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_POSITIVE_FLOAT, "maximum": 2}]}
 
 
@@ -223,7 +226,7 @@ def _is_integer(value: Any) -> bool:
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
-    prompt: Annotated[str | list[int], WithJsonSchema(_PROMPT_SCHEMA)] = Field(description="A string, a list of one string, or token ids (each below the vocabulary size).")
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(_PROMPT_SCHEMA)] = Field(description=f"A string, token ids (each below the vocabulary size), or a batch of up to {MAX_PROMPTS} of either (choice p * n + j is prompt p's choice j, as in vLLM).")
     max_tokens: int | None = Field(None, ge=0, le=MAX_UINT32, description="Most tokens to generate (default: the server's `default_max_tokens`, within the context length); 0 only with `echo`: the prompt is scored, nothing generated (lm-evaluation-harness's loglikelihood: `echo`, `logprobs: 1`, `max_tokens: 0`).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"Each generated token's log probability, with a dict of it and the N (0 .. {MAX_LOGPROBS}) most likely tokens at its position (vLLM's answer); with `echo`, the prompt's tokens come first (the first one's logprob is null) and the prompt is scored with N top ones unless `prompt_logprobs` says otherwise.")
     echo: bool = Field(False, description="The prompt's text goes before each choice's text (with `logprobs`, its tokens' log probabilities before the generated ones': the target's raw log-softmax as it prefills the prompt).")
@@ -262,24 +265,43 @@ class CompletionRequest(_Common):
     def logprob_fields(self) -> dict:
         return {**super().logprob_fields(), "prompt_logprobs": self.num_prompt_logprobs()}
 
-    def echo_text(self, tokenizer) -> str | None:
-        """With `echo`: the prompt's text (token ids decoded), else None."""
-        if not self.echo:
-            return None
-        return self.prompt if isinstance(self.prompt, str) else tokenizer.decode(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the batch's."""
+        batch = isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int)
+        return list(self.prompt) if batch else [self.prompt]
+
+    @staticmethod
+    def echo_text(prompt: str | list[int], tokenizer) -> str:
+        """What `echo` puts before a choice's text: its prompt's text (token ids decoded)."""
+        return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
+    def _prompts(cls, prompt: Any) -> Any:
         if isinstance(prompt, str):
             return prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is served (send one request per prompt)")
-            return prompt[0]
+            return prompt[0] if len(prompt) == 1 else cls._batch(prompt)
         if isinstance(prompt, list) and all(_is_integer(t) for t in prompt):
             return [int(t) for t in prompt]
-        raise ValueError("must be a string, a list of one string, or a list of token ids")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_integer(t) for t in p)
+                                                       for p in prompt):
+            ids = [[int(t) for t in p] for p in prompt]
+            return ids[0] if len(ids) == 1 else cls._batch(ids)
+        raise ValueError("must be a string, a list of token ids, or a list of (non-empty) strings or of token-id lists")
+
+    @staticmethod
+    def _batch(prompts: list) -> list:
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request (got {len(prompts)})")
+        return prompts
+
+    @model_validator(mode="after")
+    def _sessions_bounded(self) -> "CompletionRequest":
+        if len(self.prompts()) * self.n > MAX_SESSIONS:
+            raise ApiError(400, f"n: {len(self.prompts())} prompts x n {self.n} is over this server's {MAX_SESSIONS} "
+                                "sessions per request; send the batch in parts", param="n")
+        return self
 
 
 class TextPart(_Lenient):

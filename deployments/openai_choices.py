@@ -6,8 +6,11 @@ seed plus its index), so `n` greedy choices are the same text and `n` sampled on
 samples of the target's distribution. Usage counts the prompt once and the completion tokens of every
 choice (OpenAI's and vLLM's `n`).
 
-`echo` (completions): each choice's text starts with the prompt's, and its `logprobs` with the prompt
-tokens' (a choice's `PromptChunk`: the target's, scored as the verifier prefilled the prompt); streamed,
+Completions may carry several prompts: choice `p * n + j` is prompt p's choice j (vLLM's order), usage counts
+each prompt once.
+
+`echo` (completions, one `Echo` per choice): each choice's text starts with its prompt's, and its `logprobs`
+with the prompt tokens' (a choice's `PromptChunk`: the target's, scored as the verifier prefilled the prompt); streamed,
 the prompt comes in an event of its own before the choice's first tokens. A choice whose session sent a
 `PromptChunk` carries vLLM's `prompt_logprobs` (not streamed, as in vLLM).
 """
@@ -164,7 +167,7 @@ def _choice(kind: Kind, index: int, text: str, finish: str | None, token_ids: li
 
 async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
                   prompt_tokens: int, return_token_ids: bool,
-                  logprobs: LogprobFormat | None = None, echo: Echo | None = None,
+                  logprobs: LogprobFormat | None = None, echo: list[Echo] | None = None,
                   prompt_format: LogprobFormat | None = None) -> dict | ErrorChunk:
     """The non-streamed body of n choices, or the first error (the other choices are then stopped).
     `logprobs`: the request asked for them (each choice's, of all its tokens; with `echo`, the prompt's
@@ -185,8 +188,8 @@ async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, 
             case FinishChunk():
                 texts[i] += chunk.text
                 finals[i] = chunk
-    head = [[echo.first_token, *(prompts[i] or [])] if echo is not None else [] for i in range(n)]
-    choices = [_choice(kind, i, (echo.text if echo is not None else "") + texts[i], finals[i].finish_reason,
+    head = [[echo[i].first_token, *(prompts[i] or [])] if echo is not None else [] for i in range(n)]
+    choices = [_choice(kind, i, (echo[i].text if echo is not None else "") + texts[i], finals[i].finish_reason,
                        ids[i] if return_token_ids else None,
                        logprobs(head[i] + lps[i]) if logprobs is not None else None) for i in range(n)]
     for i, choice in enumerate(choices):
@@ -200,12 +203,12 @@ async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, 
 
 async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
               options: StreamOptions, prompt_tokens: int, return_token_ids: bool,
-              logprobs: LogprobFormat | None = None, echo: Echo | None = None) -> AsyncIterator[str]:
+              logprobs: LogprobFormat | None = None, echo: list[Echo] | None = None) -> AsyncIterator[str]:
     """Server-sent events of n choices (each event carries one choice, by index); with
     `options.continuous_usage_stats` every event carries the usage so far, with `include_usage` a last
     event carries the whole request's. `logprobs`: the request asked for them; an event carries those of
     the tokens whose text it carries (`TokensChunk.settled`), the finish those still held back. `echo`:
-    each choice's first event is the prompt (with its logprobs when `echo.scored`, at its `PromptChunk`)."""
+    each choice's first event is its prompt (with its logprobs when `scored`, at its `PromptChunk`)."""
     created = int(time.time())
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     completion_tokens = 0
@@ -241,10 +244,10 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, requ
     if kind == "chat":
         for i in range(n):
             yield event([choice(i, "", None, first=True)])
-    if echo is not None and not echo.scored:
+    if echo is not None and not echo[0].scored:
         for i in range(n):
-            sent_text[i] += len(echo.text)
-            yield event([choice(i, echo.text, None)])
+            sent_text[i] += len(echo[i].text)
+            yield event([choice(i, echo[i].text, None)])
     finals = []
     async for i, chunk in chunks:
         match chunk:
@@ -252,10 +255,10 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, requ
                 error = {"message": chunk.message, "type": chunk.type, "param": None, "code": None}
                 yield "data: " + json.dumps({"error": error}) + "\n\n"
                 break
-            case PromptChunk() if echo is not None and echo.scored:
-                lp = logprobs([echo.first_token, *chunk.logprobs]) if logprobs is not None else None
-                sent_text[i] += len(echo.text)
-                yield event([choice(i, echo.text, None, lp=lp)])
+            case PromptChunk() if echo is not None and echo[i].scored:
+                lp = logprobs([echo[i].first_token, *chunk.logprobs]) if logprobs is not None else None
+                sent_text[i] += len(echo[i].text)
+                yield event([choice(i, echo[i].text, None, lp=lp)])
             case TokensChunk():
                 completion_tokens += len(chunk.token_ids)
                 received[i] += chunk.logprobs or []

@@ -107,6 +107,7 @@ class ResponsesRequest(_Common):
     background: Literal[False] = not_served(False, "background responses (nothing is stored to fetch them from)")
     prompt: None = not_served(None, "stored prompt templates")
     n: Literal[1] = not_served(1, "one output per response (send one request per sample)")
+    return_token_ids: Literal[False] = not_served(False, "token ids on /v1/responses (chat completions return them)")
 
     @field_validator("input", mode="before")
     @classmethod

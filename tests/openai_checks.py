@@ -78,7 +78,8 @@ def assert_responses_features(client: openai.OpenAI, http: str, api_key: str | N
                ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input", "not served"),
                ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
                 "only text parts"),
-               ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1")]
+               ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+               ({"return_token_ids": True}, "return_token_ids", "chat completions return them")]
     for fields, param, needle in refused:
         body = {"model": MODEL, "input": "hi", **fields}
         out = httpx.post(http + "/v1/responses", json=body, headers=headers, timeout=60)

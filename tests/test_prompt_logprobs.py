@@ -138,7 +138,9 @@ def test_completion_request_fields():
         with pytest.raises(ApiError) as info:
             _request(**fields)
         assert param in info.value.response().body.decode()
-    assert _request(prompt=[1, 2], echo=True).echo_text(type("T", (), {"decode": lambda self, ids: "ab"})()) == "ab"
+    request, decoding = _request(prompt=[[1, 2], [3]], echo=True), type("T", (), {"decode": lambda self, ids: str(ids)})()
+    assert [request.echo_text(p, decoding) for p in request.prompts()] == ["[1, 2]", "[3]"]  # each prompt's own text
+    assert CompletionRequest.echo_text("hi", decoding) == "hi"
 
 
 def test_openai_prompt_shapes(tokenizer):

@@ -183,6 +183,33 @@ def test_n_choices(client, tokenizer, prompt_ids, references):
     assert len(two) == 2 and len(set(two)) == 2 and all(two), two
 
 
+def test_a_batch_of_prompts(client, tokenizer, prompt_ids, references):
+    """Completions with several prompts (strings or token-id lists, as vLLM serves them and lm-evaluation-harness
+    sends them with batch_size > 1): choice p * n + j is prompt p's choice j, each the reference's greedy text;
+    usage counts each prompt once; streamed the same; `echo` puts each choice's own prompt first; a batch of
+    prompts x n over the server's bound is a 400."""
+    refs = [_ref(references, prompt_ids, i) for i in (0, 2)]
+    texts = [tokenizer.decode(ref, skip_special_tokens=True) for ref in refs]
+    r = client.completions.create(model=MODEL, prompt=[PROMPTS[0][0], PROMPTS[2][0]], max_tokens=MAX_TOKENS,
+                                  temperature=0, n=2, extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.model_extra["token_ids"] for c in r.choices] == [refs[0], refs[0], refs[1], refs[1]]
+    assert r.usage.prompt_tokens == len(prompt_ids[0]) + len(prompt_ids[2])
+    assert r.usage.completion_tokens == 2 * (len(refs[0]) + len(refs[1]))
+    streamed = [""] * 2
+    for chunk in client.completions.create(model=MODEL, prompt=[prompt_ids[0], prompt_ids[2]], max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+    r = client.completions.create(model=MODEL, prompt=[PROMPTS[0][0], PROMPTS[2][0]], max_tokens=4, temperature=0,
+                                  echo=True)
+    assert [c.text for c in r.choices] == [PROMPTS[i][0] + tokenizer.decode(
+        _ref(references, prompt_ids, i)[:4], skip_special_tokens=True) for i in (0, 2)]
+    with pytest.raises(openai.BadRequestError, match="sessions per request"):
+        client.completions.create(model=MODEL, prompt=["a"] * 9, n=8, max_tokens=1)
+
+
 def test_sixteen_concurrent_streams(client, tokenizer, prompt_ids, references):
     def one(i: int) -> tuple[int, str]:
         j = i % len(PROMPTS)

@@ -48,6 +48,13 @@ from deployments.openai_responses import (
     openapi_document,
     route_docs,
 )
+from deployments.openai_responses_api import (
+    RESPONSES_NOT_SERVED,
+    ResponseBuilder,
+    ResponsesRequest,
+    collect_response,
+    response_events,
+)
 from deployments.openai_tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -57,13 +64,6 @@ from deployments.openai_tokenize import (
     detokenize,
     tandem_version,
     tokenize,
-)
-from deployments.openai_responses_api import (
-    RESPONSES_NOT_SERVED,
-    ResponseBuilder,
-    ResponsesRequest,
-    collect_response,
-    response_events,
 )
 from protos import UnreadableRequest, pb
 
@@ -80,6 +80,10 @@ GRPC_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 
 app = FastAPI(title="tandem", description="OpenAI-compatible API over lossless pipelined speculative decoding.")
 app.openapi = lambda: openapi_document(app)
+
+
+def _unauthorized():
+    return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -162,8 +166,8 @@ class IngressRoutes:
             raise InvalidRequestError("messages: at least one message is required")
         messages, listed = openai_tools.template_messages(messages, tools, tool_mode, self.tokenizer.chat_template or "")
         try:
-            return list(self.tokenizer.apply_chat_template(messages, tools=listed, add_generation_prompt=add_generation_prompt,
-                                                           tokenize=True, return_dict=False))
+            return list(self.tokenizer.apply_chat_template(messages, tools=listed, tokenize=True, return_dict=False,
+                                                           add_generation_prompt=add_generation_prompt))
         except TemplateError as e:  # a model's template may refuse an order of roles
             raise InvalidRequestError(f"messages: the model's chat template refused them: {e}") from None
 
@@ -191,7 +195,7 @@ class IngressRoutes:
     @app.get("/v1/models", responses={200: {"model": ModelList}, 401: {"model": ErrorResponse}})
     async def list_models(self, request: Request):
         if not self._authorized(request):
-            return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+            return _unauthorized()
         return {"object": "list", "data": [{"id": self.config.model_id, "object": "model", "created": self.created,
                                             "owned_by": "tandem", "max_model_len": self.max_context}]}
 
@@ -244,7 +248,7 @@ class IngressRoutes:
 
     async def _tokenizer_route(self, request: Request, model: type, answer):
         if not self._authorized(request):
-            return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+            return _unauthorized()
         try:
             body = parse_request(await read_body(request), model)
             if body.model is not None:  # optional here, as in vLLM
@@ -252,14 +256,14 @@ class IngressRoutes:
             return answer(body)
         except ApiError as e:
             return e.response()
-        except (InvalidRequestError, ValueError) as e:
+        except InvalidRequestError as e:
             return error_response(400, str(e))
 
     async def _checked(self, request: Request, model: type, prompts_of, max_tokens_of, reasons=None):
         """(body, its prompts' ids, their params) of a valid request to a generation route (`prompts_of`: the
         body's prompts, tokenized), or the error response to send."""
         if not self._authorized(request):
-            return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+            return _unauthorized()
         try:
             body = parse_request(await read_body(request), model, reasons)
             self._check_model(body.model)

@@ -10,10 +10,11 @@ The answer is one `response` object with one assistant `message` item of one `ou
 `stream`, OpenAI's event sequence (`event:` and `data:` lines, a `sequence_number` each): `response.created`,
 `response.in_progress`, `response.output_item.added`, `response.content_part.added`, one
 `response.output_text.delta` per group of new text, `response.output_text.done`, `response.content_part.done`,
-`response.output_item.done`, then `response.completed` (as vLLM sends it, also where `max_output_tokens` ended the
-response: the response's status then says `incomplete`). An error after the stream started is an `error` event. Nothing is stored (`store: false` in every
-response): `previous_response_id`, `background` and conversations are refused with a clear 400, as are tools
-(function calling is served on /v1/chat/completions) and input items other than text messages.
+`response.output_item.done`, then `response.completed` (as vLLM sends it, also where `max_output_tokens` ended
+the response: the response's status then says `incomplete`). An error after the stream started is an `error`
+event. Nothing is stored (`store: false` in every response): `previous_response_id`, `background` and
+conversations are refused with a clear 400, as are tools (function calling is served on /v1/chat/completions)
+and input items other than text messages.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ class ResponsesRequest(_Common):
         return head + items
 
     def structured(self):
+        """`text.format` as chat's `response_format` would ask for it (the base's rule on a copy that carries it),
+        else the base's fields (vLLM's `structured_outputs` and `guided_*` are served here too)."""
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type != "text":
             if self.response_format is not None:

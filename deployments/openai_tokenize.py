@@ -9,6 +9,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
+from cluster.core.errors import InvalidRequestError
 from deployments.openai_api import MAX_UINT32, ChatMessage, _Lenient
 from deployments.openai_tools import MAX_TOOLS, ToolDef
 
@@ -71,8 +72,8 @@ def tokenize(body: TokenizeRequest, tokenizer, chat_ids, context: int) -> dict:
 
 
 def detokenize(body: DetokenizeRequest, tokenizer, vocab_size: int) -> dict:
-    """ValueError for an id outside the vocabulary."""
+    """InvalidRequestError for an id outside the vocabulary."""
     bad = next((t for t in body.tokens if t >= vocab_size), None)
     if bad is not None:
-        raise ValueError(f"tokens: {bad} is not a token id of this model (its vocabulary has {vocab_size})")
+        raise InvalidRequestError(f"tokens: {bad} is not a token id of this model (its vocabulary has {vocab_size})")
     return {"prompt": tokenizer.decode(body.tokens)}

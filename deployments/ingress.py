@@ -32,7 +32,8 @@ from deployments import openai_tools
 from deployments.chunks import ErrorChunk, FinishChunk, TokensChunk
 from deployments.config import TandemAppConfig
 from deployments.failover import FailoverMetrics, resumable_stream
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest, parse_request
+from deployments.openai_api import CompletionRequest, parse_request
+from deployments.openai_chat import ChatCompletionRequest
 from deployments.openai_body import ApiError, ErrorResponse, error_response, read_body
 from deployments.openai_choices import Echo, choice_params, collect, open_choices, sse
 from deployments.openai_logprobs import LogprobFormat
@@ -49,7 +50,6 @@ from deployments.openai_responses import (
     route_docs,
 )
 from deployments.openai_responses_api import (
-    RESPONSES_NOT_SERVED,
     ResponseBuilder,
     ResponsesRequest,
     collect_response,
@@ -160,15 +160,16 @@ class IngressRoutes:
                               **body.processor_fields(self.tokenizer), **body.logprob_fields())
 
     def _chat_ids(self, messages: list[dict], tools=None, tool_mode: str | None = None,
-                  add_generation_prompt: bool = True) -> list[int]:
-        """The prompt of a conversation (OpenAI-shaped message dicts), with the tools where they are in play."""
+                  options: dict | None = None) -> list[int]:
+        """The prompt of a conversation (OpenAI-shaped message dicts), with the tools where they are in play;
+        `options`: the request's chat template options (`TemplateFields.template_options`)."""
         if not messages:
             raise InvalidRequestError("messages: at least one message is required")
         messages, listed = openai_tools.template_messages(messages, tools, tool_mode, self.tokenizer.chat_template or "")
         try:
             return list(self.tokenizer.apply_chat_template(messages, tools=listed, tokenize=True, return_dict=False,
-                                                           add_generation_prompt=add_generation_prompt))
-        except TemplateError as e:  # a model's template may refuse an order of roles
+                                                           **(options or {"add_generation_prompt": True})))
+        except (TemplateError, ValueError) as e:  # a template may refuse an order of roles, or a message to continue
             raise InvalidRequestError(f"messages: the model's chat template refused them: {e}") from None
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None):
@@ -211,7 +212,7 @@ class IngressRoutes:
                                             "The response; with `stream`, OpenAI's response events."))
     async def responses(self, request: Request):
         checked = await self._checked(request, ResponsesRequest, lambda b: [self._chat_ids(b.messages())],
-                                      ResponsesRequest.max_new_tokens, RESPONSES_NOT_SERVED)
+                                      ResponsesRequest.max_new_tokens)
         if not isinstance(checked, tuple):
             return checked
         body, [prompt_ids], [params] = checked
@@ -231,8 +232,8 @@ class IngressRoutes:
 
     @app.post("/tokenize", **route_docs(TokenizeRequest, TokenizeResponse, None, "The prompt's tokens."))
     async def tokenize(self, request: Request):
-        def chat_ids(messages, tools, add_generation_prompt):
-            return self._chat_ids(messages, tools, "auto" if tools else None, add_generation_prompt)
+        def chat_ids(messages, tools, options):
+            return self._chat_ids(messages, tools, "auto" if tools else None, options)
 
         return await self._tokenizer_route(request, TokenizeRequest,
                                            lambda b: tokenize(b, self.tokenizer, chat_ids, self.context_limit))
@@ -259,13 +260,13 @@ class IngressRoutes:
         except InvalidRequestError as e:
             return error_response(400, str(e))
 
-    async def _checked(self, request: Request, model: type, prompts_of, max_tokens_of, reasons=None):
+    async def _checked(self, request: Request, model: type, prompts_of, max_tokens_of):
         """(body, its prompts' ids, their params) of a valid request to a generation route (`prompts_of`: the
         body's prompts, tokenized), or the error response to send."""
         if not self._authorized(request):
             return _unauthorized()
         try:
-            body = parse_request(await read_body(request), model, reasons)
+            body = parse_request(await read_body(request), model)
             self._check_model(body.model)
             prompts = prompts_of(body)
             params = [self._http_params(body, ids, max_tokens_of(body)) for ids in prompts]
@@ -291,7 +292,8 @@ class IngressRoutes:
         else:
             checked = await self._checked(
                 request, ChatCompletionRequest,
-                lambda b: [self._chat_ids([m.template_message() for m in b.messages], b.tools, b.tool_mode())],
+                lambda b: [self._chat_ids([m.template_message() for m in b.messages], b.tools, b.tool_mode(),
+                                          b.template_options())],
                 lambda b: b.max_completion_tokens or b.max_tokens)
         if not isinstance(checked, tuple):
             return checked

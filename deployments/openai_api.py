@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
@@ -21,7 +21,6 @@ from cluster.core.processors import tokenize_bad_words
 from cluster.core.sampling import MAX_LOGPROBS, LogprobsMode
 from deployments.openai_body import ApiError, parse_json_object
 from deployments.openai_structured import StructuredFields
-from deployments.openai_tools import MAX_TOOLS, ToolCall, ToolChoice, ToolDef, tool_grammar, tool_mode
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +46,33 @@ _PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS_SCHEM
 _TEMPERATURE_SCHEMA = {"anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_POSITIVE_FLOAT, "maximum": 2}]}
 
 
-def validation_error(e: ValidationError, reasons: dict[str, str] | None = None) -> ApiError:
+def not_served_reasons(model: type[BaseModel], prefix: str = "", depth: int = 3) -> dict[str, str]:
+    """Field path (`n`, `messages.function_call`: list indices left out) -> why tandem cannot honour it, for
+    `model`'s `not_served` fields and those of the models its fields hold."""
+    out = {}
+    for name, info in model.model_fields.items():
+        if (info.description or "").startswith(NOT_SERVED):
+            out[prefix + name] = info.description.removeprefix(NOT_SERVED)
+        for t in _types_in(info.annotation):
+            if depth > 1 and isinstance(t, type) and issubclass(t, BaseModel):
+                out.update(not_served_reasons(t, f"{prefix}{name}.", depth - 1))
+    return out
+
+
+def _types_in(annotation: Any) -> list:
+    args = get_args(annotation)
+    return [annotation] if not args else [t for a in args for t in _types_in(a)]
+
+
+def validation_error(e: ValidationError, reasons: dict[str, str]) -> ApiError:
     """The first problem of a pydantic error as one line naming the field; a field tandem cannot
-    honour (`reasons`: its name -> why; the completion and chat fields' by default) says why instead of
-    pydantic's wording."""
-    reasons = NOT_SERVED_REASONS if reasons is None else reasons
+    honour (`reasons`: `not_served_reasons`, by field path) says why instead of pydantic's wording."""
     first = e.errors()[0]
-    loc = [str(x) for x in first.get("loc", ())]
-    field = ".".join(loc) or "body"
-    names = loc[:1] + (loc[2:3] if loc[:1] == ["messages"] else [])  # field names, not a map's keys
-    reason = next((reasons[x] for x in names if x in reasons), None)
+    loc = first.get("loc", ())
+    field = ".".join(str(x) for x in loc) or "body"
+    path = [str(x) for x in loc if not isinstance(x, int)]  # list indices out; the longest field path that names
+    reason = next((reasons[key] for k in range(len(path), 0, -1)  # one (a union's member tags may follow it)
+                   if (key := ".".join(path[:k])) in reasons), None)
     if reason is not None:
         return ApiError(400, f"{field}: not supported by this server: {reason}", param=field,
                         code="unsupported_parameter")
@@ -76,13 +92,12 @@ def _warn_once(names: list[str]) -> None:
                         "; no more names will be logged" if len(_warned) == MAX_WARNED else "")
 
 
-def parse_request(raw: bytes, model: type[_Lenient], reasons: dict[str, str] | None = None):
-    """A validated request from a raw body; ApiError (400) otherwise (`reasons`: see `validation_error`).
-    Ignored fields are logged."""
+def parse_request(raw: bytes, model: type[BaseModel]):
+    """A validated request from a raw body; ApiError (400) otherwise. Ignored fields are logged."""
     try:
         body = model.model_validate(parse_json_object(raw))
     except ValidationError as e:
-        raise validation_error(e, reasons) from None
+        raise validation_error(e, not_served_reasons(model)) from None
     _warn_once(body.ignored_fields())
     return body
 
@@ -302,106 +317,3 @@ class CompletionRequest(_Common):
             raise ApiError(400, f"n: {len(self.prompts())} prompts x n {self.n} is over this server's {MAX_SESSIONS} "
                                 "sessions per request; send the batch in parts", param="n")
         return self
-
-
-class TextPart(_Lenient):
-    type: Literal["text"] = Field(description="Only text parts are served.")
-    text: str = Field(description="The text.")
-
-
-class ChatMessage(_Lenient):
-    """One message of the conversation; the chat template of the target turns them into the prompt."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Who speaks; `developer` is read as `system`; `tool` carries a tool call's result.")
-    content: str | list[TextPart] | None = Field(None, description="A string, or text content parts (may be null in an assistant message with tool_calls).")
-    name: str | None = ignored("a participant name (the chat template has no place for it).")
-    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="An assistant message's tool calls.")
-    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
-    function_call: None = not_served(None, "function calling (deprecated; use tool_calls)")
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, content: Any) -> Any:
-        if isinstance(content, list):
-            if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-                return content
-            raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are served")
-        if not isinstance(content, str):
-            raise ValueError("must be a string or a list of text content parts")
-        return content
-
-    @model_validator(mode="after")
-    def _content_or_calls(self) -> "ChatMessage":
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content: required (it may be null only in an assistant message with tool_calls)")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-    def template_message(self) -> dict:
-        """The message as a chat template reads it (OpenAI's shape)."""
-        out: dict = {"role": self.template_role(), "content": self.text()}
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-    def template_role(self) -> str:
-        return "system" if self.role == "developer" else self.role
-
-
-class ChatCompletionRequest(_Common):
-    """POST /v1/chat/completions."""
-
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_UINT32, description="Alias of max_tokens (wins when both are set).")
-    logprobs: bool = Field(False, description="Return each generated token's log probability (`choices[].logprobs.content`).")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"With `logprobs`: also the N (0 .. {MAX_LOGPROBS}) most likely tokens at each position.")
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"Extension (vLLM): the response's top-level `prompt_logprobs`, one entry per prompt token of the templated conversation (the first null), each a dict token id -> {{logprob, rank, decoded_token}} of the prompt token and the N (0 .. {MAX_LOGPROBS}) most likely; the target's raw log-softmax. Not with `stream` (N > 0), as vLLM.")
-    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call (`deployments/openai_tools.py`).")
-    functions: list[Any] | None = not_served(None, "function calling (deprecated; use tools); only an empty list is served", max_length=0)
-    tool_choice: ToolChoice | None = Field(None, description="`none`, `auto` (the default with tools: the model's Hermes-format calls are parsed), `required` or `{'type': 'function', 'function': {'name': ...}}` (both enforced by a grammar).")
-    function_call: Literal["none"] | None = not_served(None, "function calling (deprecated; use tool_choice); only 'none' is served")
-    parallel_tool_calls: bool | None = Field(None, description="false: a required tool choice makes one call at most.")
-
-    def tool_mode(self) -> str | None:
-        """None (no tools in play), "auto", "required" or "named:<function>" (InvalidRequestError if unknown)."""
-        return tool_mode(self.tools, self.tool_choice)
-
-    def structured(self):
-        """The grammar: a required or named tool choice's, else what the structured-output fields ask."""
-        tools = tool_grammar(self.tools or [], self.tool_mode(), self.parallel_tool_calls is not False)
-        asked = super().structured()
-        if tools is not None and asked is not None:
-            raise InvalidRequestError("tool_choice: a required or named tool choice cannot be combined with "
-                                      "response_format or structured_outputs")
-        return tools or asked
-
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-        return self
-
-    @model_validator(mode="after")
-    def _prompt_logprobs_not_streamed(self) -> "ChatCompletionRequest":
-        if self.stream and self.prompt_logprobs:
-            raise ApiError(400, "prompt_logprobs: not available with stream (as in vLLM)", param="prompt_logprobs")
-        return self
-
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def logprob_fields(self) -> dict:
-        return {**super().logprob_fields(), "prompt_logprobs": None if self.stream else self.prompt_logprobs}
-
-
-NOT_SERVED_REASONS = {name: info.description.removeprefix(NOT_SERVED)
-                      for cls in (CompletionRequest, ChatCompletionRequest, ChatMessage)
-                      for name, info in cls.model_fields.items()
-                      if (info.description or "").startswith(NOT_SERVED)}

@@ -30,7 +30,7 @@ from pydantic import Field, ValidationError, field_validator
 from deployments.chunks import Chunk, ErrorChunk, FinishChunk, TokensChunk
 from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import MAX_LOGPROBS
-from deployments.openai_api import MAX_UINT32, NOT_SERVED, _Common, _Lenient, ignored, not_served
+from deployments.openai_api import MAX_UINT32, _Common, _Lenient, ignored, not_served
 from deployments.openai_choices import speculation
 from deployments.openai_logprobs import LogprobFormat
 from deployments.openai_structured import JsonSchemaFormat, ResponseFormat
@@ -152,12 +152,6 @@ class ResponsesRequest(_Common):
 
     def max_new_tokens(self) -> int | None:
         return self.max_output_tokens or self.max_tokens
-
-
-RESPONSES_NOT_SERVED = {name: info.description.removeprefix(NOT_SERVED)
-                        for cls in (ResponsesRequest, InputMessage)
-                        for name, info in cls.model_fields.items()
-                        if (info.description or "").startswith(NOT_SERVED)}
 
 
 # ---- the response ---------------------------------------------------------------------------------

@@ -10,18 +10,18 @@ from typing import Annotated
 from pydantic import BaseModel, Field, model_validator
 
 from cluster.core.errors import InvalidRequestError
-from deployments.openai_api import MAX_UINT32, ChatMessage, _Lenient
+from deployments.openai_api import MAX_UINT32, _Lenient
+from deployments.openai_chat import ChatMessage, TemplateFields
 from deployments.openai_tools import MAX_TOOLS, ToolDef
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(_Lenient, TemplateFields):
     """POST /tokenize: `prompt` (completions' text) or `messages` (chat's conversation), one of them."""
 
     model: str | None = Field(None, description="The served model id; optional, as in vLLM.")
     prompt: str | None = Field(None, description="A text, tokenized as /v1/completions tokenizes a prompt.")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="A conversation, through the model's chat template as /v1/chat/completions applies it.")
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS, description="With `messages`: the tools the template lists.")
-    add_generation_prompt: bool = Field(True, description="With `messages`: end with the assistant's turn opening (as chat completions do).")
     add_special_tokens: bool = Field(True, description="With `prompt`: the tokenizer's special tokens (BOS) where it adds any.")
     return_token_strs: bool = Field(False, description="Also each token as the tokenizer spells it.")
 
@@ -62,9 +62,9 @@ def tandem_version() -> str:
 
 
 def tokenize(body: TokenizeRequest, tokenizer, chat_ids, context: int) -> dict:
-    """`chat_ids(messages, tools, add_generation_prompt)`: the generation routes' chat prompt."""
+    """`chat_ids(messages, tools, template options)`: the generation routes' chat prompt."""
     if body.messages is not None:
-        ids = chat_ids([m.template_message() for m in body.messages], body.tools, body.add_generation_prompt)
+        ids = chat_ids([m.template_message() for m in body.messages], body.tools, body.template_options())
     else:
         ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None

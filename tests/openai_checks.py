@@ -10,6 +10,7 @@ import json
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel
 
 MODEL = "SmolLM2-135M-Instruct"
 STREAM_ORDER = ["response.created", "response.in_progress", "response.output_item.added",
@@ -51,18 +52,17 @@ def assert_responses_greedy(client: openai.OpenAI, tokenizer, prompt: str, promp
 def assert_responses_features(client: openai.OpenAI, http: str, api_key: str | None = None) -> None:
     """Instructions, a conversation of items, `text.format` (a JSON schema the output follows), logprobs, and
     the fields a server with no response store refuses: each a clear 400 naming the field."""
-    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-              "additionalProperties": False}
-    r = client.responses.create(
-        model=MODEL, instructions="Answer in JSON.", max_output_tokens=48, temperature=0,
+    class City(BaseModel):
+        city: str
+
+    # the client's parse: a strict JSON schema from the pydantic model in `text.format`, the output parsed back
+    r = client.responses.parse(
+        model=MODEL, instructions="Answer in JSON.", max_output_tokens=48, temperature=0, text_format=City,
         input=[{"role": "user", "content": [{"type": "input_text", "text": "Name a city in France."}]},
                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Paris."}]},
-               {"role": "user", "content": "Another one, please."}],
-        text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}})
-    assert r.output_text.lstrip().startswith("{")  # the grammar holds from the first token
-    if r.status == "completed":  # (a 135M model may still be inside the string at 48 tokens)
-        answer = json.loads(r.output_text)
-        assert set(answer) == {"city"} and isinstance(answer["city"], str)
+               {"role": "user", "content": "Another one, please."}])
+    assert r.status == "completed" and isinstance(r.output_parsed, City) and r.output_parsed.city, r.output_text
+    assert json.loads(r.output_text) == r.output_parsed.model_dump()  # the grammar held from the first token
     assert r.text.format.type == "json_schema" and r.instructions == "Answer in JSON."
 
     r = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0, top_logprobs=2,

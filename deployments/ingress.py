@@ -211,7 +211,8 @@ class IngressRoutes:
     @app.post("/v1/responses", **route_docs(ResponsesRequest, ResponseObject, ResponseEvent,
                                             "The response; with `stream`, OpenAI's response events."))
     async def responses(self, request: Request):
-        checked = await self._checked(request, ResponsesRequest, lambda b: [self._chat_ids(b.messages())],
+        checked = await self._checked(request, ResponsesRequest,
+                                      lambda b: [self._chat_ids(b.messages(), b.chat_tools(), b.tool_mode())],
                                       ResponsesRequest.max_new_tokens)
         if not isinstance(checked, tuple):
             return checked

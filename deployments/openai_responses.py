@@ -210,6 +210,15 @@ class ResponseOutputMessage(BaseModel):
     content: list[ResponseOutputText] = Field(description="One text part (none yet when the stream announces the item).")
 
 
+class ResponseFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str = Field(description="What the call's `function_call_output` item refers to.")
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+    status: Literal["in_progress", "completed"]
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int = Field(description="Tokens of the prompt (after the chat template).")
     input_tokens_details: dict[str, int] = Field(description="`cached_tokens`: 0.")
@@ -230,14 +239,14 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[ResponseOutputMessage] = Field(description="The assistant's message (empty until the stream adds it).")
+    output: list[ResponseOutputMessage | ResponseFunctionCall] = Field(description="The assistant's message, or its function calls (after a message of the text before them, if any); empty until the stream adds them.")
     parallel_tool_calls: bool
     previous_response_id: None = None
     temperature: float
     top_p: float
     top_logprobs: int
-    tool_choice: Literal["auto"] = "auto"
-    tools: list = Field(description="Always empty.")
+    tool_choice: Literal["none", "auto", "required"] | dict
+    tools: list = Field(description="The request's.")
     text: dict = Field(description="`{'format': ...}` as the request gave it (`{'type': 'text'}` by default).")
     truncation: Literal["disabled"] = "disabled"
     store: Literal[False] = Field(False, description="Nothing is stored.")
@@ -253,15 +262,18 @@ class ResponseEvent(BaseModel):
 
     type: Literal["response.created", "response.in_progress", "response.output_item.added",
                   "response.content_part.added", "response.output_text.delta", "response.output_text.done",
-                  "response.content_part.done", "response.output_item.done", "response.completed", "error"]
+                  "response.content_part.done", "response.function_call_arguments.delta",
+                  "response.function_call_arguments.done", "response.output_item.done", "response.completed", "error"]
     sequence_number: int = Field(description="0, 1, 2, ... within the stream.")
     response: ResponseObject | None = Field(None, description="On `response.created`, `.in_progress` and `.completed` (whose status may be `incomplete`).")
     output_index: int | None = Field(None, description="0: the one message.")
-    item: ResponseOutputMessage | None = Field(None, description="On `response.output_item.*`.")
+    item: ResponseOutputMessage | ResponseFunctionCall | None = Field(None, description="On `response.output_item.*`.")
     item_id: str | None = None
     content_index: int | None = Field(None, description="0: the one text part.")
     part: ResponseOutputText | None = Field(None, description="On `response.content_part.*`.")
-    delta: str | None = Field(None, description="On `response.output_text.delta`: new text.")
+    delta: str | None = Field(None, description="On `response.output_text.delta`: new text; on `response.function_call_arguments.delta`: the arguments.")
+    arguments: str | None = Field(None, description="On `response.function_call_arguments.done`.")
+    name: str | None = Field(None, description="On `response.function_call_arguments.done`: the function.")
     text: str | None = Field(None, description="On `response.output_text.done`: the whole text.")
     logprobs: list[ChatTokenLogprob] | None = Field(None, description="On text deltas and done: those of the tokens the text carries (with logprobs asked).")
     code: str | None = Field(None, description="On `error`.")

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`), as vLLM serves it with its response store off (its default).
 
 A Responses request is a chat in other words: `instructions` are the system message, `input` the user's text
-or the conversation's message items, `max_output_tokens` the length, `text.format` the structured output;
+or the conversation's items, `max_output_tokens` the length, `text.format` the structured output, `tools` chat's
+tools (function calls and their outputs in the input are chat's assistant `tool_calls` and `tool` messages);
 the sampling fields and vLLM's extensions are those of chat completions (`_Common`). The ingress runs it as
 one chat session (`deployments/ingress.py`), so everything chat serves with speculation (penalties, grammars,
 logprobs) a response serves too, and the text is the one chat completions would give.
@@ -12,9 +13,10 @@ The answer is one `response` object with one assistant `message` item of one `ou
 `response.output_text.delta` per group of new text, `response.output_text.done`, `response.content_part.done`,
 `response.output_item.done`, then `response.completed` (as vLLM sends it, also where `max_output_tokens` ended
 the response: the response's status then says `incomplete`). An error after the stream started is an `error`
-event. Nothing is stored (`store: false` in every response): `previous_response_id`, `background` and
-conversations are refused with a clear 400, as are tools (function calling is served on /v1/chat/completions)
-and input items other than text messages.
+event. With tools in play the model's calls are `function_call` output items, parsed from the finished text as
+chat parses them, so a stream sends the output's items once it is finished. Nothing is stored (`store: false`
+in every response): `previous_response_id`, `background` and conversations are refused with a clear 400, as
+are built-in tools and input items other than text messages, function calls and their outputs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from deployments.chunks import Chunk, ErrorChunk, FinishChunk, TokensChunk
 from cluster.core.errors import InvalidRequestError
@@ -34,6 +36,7 @@ from deployments.openai_api import MAX_UINT32, _Common, _Lenient, ignored, not_s
 from deployments.openai_choices import speculation
 from deployments.openai_logprobs import LogprobFormat
 from deployments.openai_structured import JsonSchemaFormat, ResponseFormat
+from deployments.openai_tools import MAX_TOOLS, FunctionDef, NamedToolChoice, ToolDef, parse, tool_grammar, tool_mode
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -43,22 +46,26 @@ class InputText(_Lenient):
     text: str = Field(description="The text.")
 
 
-class InputMessage(_Lenient):
-    """One message of the conversation (OpenAI's `EasyInputMessage` / input `message` item)."""
+class InputItem(_Lenient):
+    """One item of the conversation: a `message` (OpenAI's `EasyInputMessage` too), an earlier `function_call`
+    of the model, or a `function_call_output` (the call's result)."""
 
-    type: Literal["message"] = Field("message", description="Only message items are served.")
-    role: Literal["user", "assistant", "system", "developer"] = Field(description="Who speaks; `developer` is read as `system`.")
-    content: str | list[InputText] = Field(description="A string, or text parts.")
+    type: Literal["message", "function_call", "function_call_output"] = Field("message", description="`message` (the default), `function_call` or `function_call_output`.")
+    role: Literal["user", "assistant", "system", "developer"] | None = Field(None, description="A message's speaker; `developer` is read as `system`.")
+    content: str | list[InputText] | None = Field(None, description="A message's text, or its text parts.")
+    call_id: str | None = Field(None, max_length=256, description="A function call's id, and its output's.")
+    name: str | None = Field(None, max_length=64, description="A function call's function.")
+    arguments: str | None = Field(None, description="A function call's arguments (JSON text).")
+    output: str | None = Field(None, description="A function call's result.")
     id: str | None = ignored("an earlier output item's id.")
     status: str | None = ignored("an earlier output item's status.")
 
     @field_validator("type", mode="before")
     @classmethod
-    def _messages_only(cls, value: Any) -> Any:
-        if value != "message":
-            raise ValueError(f"input items of type {str(value)[:40]!r} are not served: only messages of text "
-                             "(function calls and their outputs, reasoning, images, files and item references "
-                             "are not)")
+    def _served_items(cls, value: Any) -> Any:
+        if value not in ("message", "function_call", "function_call_output"):
+            raise ValueError(f"input items of type {str(value)[:40]!r} are not served: only text messages, function "
+                             "calls and their outputs (reasoning, images, files and item references are not)")
         return value
 
     @field_validator("content", mode="before")
@@ -69,9 +76,36 @@ class InputMessage(_Lenient):
             raise ValueError("only text parts ({'type': 'input_text', 'text': ...}) are served")
         return content
 
-    def template_message(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> "InputItem":
+        needs = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+                 "function_call_output": ("call_id", "output")}[self.type]
+        missing = [name for name in needs if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a {self.type} item needs {', '.join(missing)}")
+        return self
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionTool(_Lenient):
+    """A function the model may call (the Responses API's flat form of chat's `tools[].function`)."""
+
+    type: Literal["function"] = Field(description="Only function tools (built-in tools such as web search are not served).")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$", description="The function's name.")
+    description: str | None = Field(None, description="What it does (shown to the model).")
+    parameters: dict[str, Any] | None = Field(None, description="Its arguments as a JSON schema (default: any object).")
+    strict: bool | None = Field(None, description="Accepted: with a required or named tool choice the arguments always follow the schema.")
+
+    def chat(self) -> ToolDef:
+        return ToolDef(type="function", function=FunctionDef(name=self.name, description=self.description,
+                                                             parameters=self.parameters, strict=self.strict))
+
+
+class NamedFunction(_Lenient):
+    type: Literal["function"] = Field(description="A named function tool.")
+    name: str = Field(description="The function the model must call.")
 
 
 class TextFormat(JsonSchemaFormat):
@@ -88,7 +122,7 @@ class TextConfig(_Lenient):
 class ResponsesRequest(_Common):
     """POST /v1/responses."""
 
-    input: str | list[InputMessage] = Field(min_length=1, description="The user's text, or the conversation as message items.")
+    input: str | list[InputItem] = Field(min_length=1, description="The user's text, or the conversation as items.")
     instructions: str | None = Field(None, description="A system message put before the input.")
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_UINT32, description="Most tokens to generate (wins over max_tokens).")
     text: TextConfig | None = Field(None, description="`{'format': {'type': 'json_schema', 'name': ..., 'schema': {...}}}` or `{'format': {'type': 'json_object'}}`.")
@@ -97,12 +131,12 @@ class ResponsesRequest(_Common):
     store: bool | None = ignored("nothing is stored (vLLM's default); every response says store: false.")
     reasoning: dict[str, Any] | None = ignored("this model does not reason.")
     truncation: Literal["auto", "disabled"] | None = ignored("an input longer than the context is refused, not cut.")
-    tool_choice: Any = ignored("no tools are served on this endpoint.")
-    parallel_tool_calls: bool | None = ignored("no tools are served on this endpoint.")
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call (its calls are `function_call` output items).")
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = Field(None, description="`none`, `auto` (the default with tools: the model's own calls are parsed), `required` or `{'type': 'function', 'name': ...}` (both enforced by a grammar).")
+    parallel_tool_calls: bool | None = Field(None, description="false: a required tool choice makes one call at most.")
     service_tier: str | None = ignored("one tier.")
     prompt_cache_key: str | None = ignored("the prompt cache is the server's own.")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 tags, returned in the response.", max_length=16)
-    tools: list[Any] | None = not_served(None, "tools on /v1/responses (function calling is served on /v1/chat/completions); only an empty list is served", max_length=0)
     previous_response_id: None = not_served(None, "this server stores no responses (as vLLM's default): send the whole conversation as `input`")
     conversation: None = not_served(None, "this server stores no conversations: send the whole conversation as `input`")
     background: Literal[False] = not_served(False, "background responses (nothing is stored to fetch them from)")
@@ -117,7 +151,7 @@ class ResponsesRequest(_Common):
         if isinstance(value, list):
             for i, item in enumerate(value):
                 try:
-                    InputMessage.model_validate(item)
+                    InputItem.model_validate(item)
                 except ValidationError as e:
                     first = e.errors()[0]
                     where = "".join(f".{x}" for x in first["loc"])
@@ -126,15 +160,41 @@ class ResponsesRequest(_Common):
         return value
 
     def messages(self) -> list[dict]:
-        head = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else \
-            [m.template_message() for m in self.input]
-        return head + items
+        """The conversation as chat messages: consecutive function calls are one assistant message's
+        `tool_calls`, an output a `tool` message."""
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        for item in [InputItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input:
+            if item.type == "message":
+                out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+            elif item.type == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            else:
+                call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+                if not (out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls")):
+                    out.append({"role": "assistant", "content": "", "tool_calls": []})
+                out[-1]["tool_calls"].append(call)
+        return out
+
+    def chat_tools(self) -> list[ToolDef] | None:
+        return [t.chat() for t in self.tools] if self.tools else None
+
+    def tool_mode(self) -> str | None:
+        """As chat's: None (no tools in play), "auto", "required" or "named:<function>"."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedFunction):
+            choice = NamedToolChoice(function={"name": choice.name})
+        return tool_mode(self.chat_tools(), choice)
 
     def structured(self):
         """`text.format` as chat's `response_format` would ask for it (the base's rule on a copy that carries it),
         else the base's fields (vLLM's `structured_outputs` and `guided_*` are served here too)."""
         fmt = self.text.format if self.text is not None else None
+        tools = tool_grammar(self.chat_tools() or [], self.tool_mode(), self.parallel_tool_calls is not False)
+        if tools is not None:
+            if (fmt is not None and fmt.type != "text") or super().structured() is not None:
+                raise InvalidRequestError("tool_choice: a required or named tool choice cannot be combined with "
+                                          "text.format or structured outputs")
+            return tools
         if fmt is not None and fmt.type != "text":
             if self.response_format is not None:
                 raise InvalidRequestError("text.format, response_format: ask for one grammar at a time")
@@ -165,6 +225,7 @@ class ResponseBuilder:
         self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.logprobs = LogprobFormat(tokenizer, "chat") if body.num_logprobs() is not None else None
+        self.mode = body.tool_mode()  # tools in play: the calls are parsed out of the finished text
         self.sequence = 0
 
     def envelope(self, status: str, output: list, finish: FinishChunk | None = None) -> dict:
@@ -175,9 +236,11 @@ class ResponseBuilder:
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": b.model,
-               "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+               "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
                "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
-               "tool_choice": "auto", "tools": [], "text": {"format": fmt}, "truncation": "disabled",
+               "tool_choice": b.tool_choice.model_dump() if isinstance(b.tool_choice, NamedFunction)
+               else b.tool_choice or "auto", "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+               "text": {"format": fmt}, "truncation": "disabled",
                "store": False, "background": False, "metadata": b.metadata or {}, "user": b.user, "usage": None}
         if finish is not None:
             out["usage"] = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
@@ -198,6 +261,17 @@ class ResponseBuilder:
     def item(self, status: str, parts: list) -> dict:
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": parts}
 
+    def output(self, text: str, entries: list, status: str) -> list[dict]:
+        """The finished output: one message, or with tools in play the model's calls as `function_call` items
+        (after a message of the text before them, if any)."""
+        content, calls = parse(text, self.mode) if self.mode is not None else (text, [])
+        if not calls:
+            return [self.item(status, [self.part(text, entries)])]
+        head = [self.item(status, [self.part(content, [])])] if content else []
+        return head + [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": c["id"],
+                        "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
+                       for c in calls]
+
     def event(self, type_: str, **fields) -> str:
         data = {"type": type_, "sequence_number": self.sequence, **fields}
         self.sequence += 1
@@ -206,19 +280,24 @@ class ResponseBuilder:
 
 async def collect_response(chunks: AsyncIterator[tuple[int, Chunk]], builder: ResponseBuilder) -> dict | ErrorChunk:
     """The non-streamed response, or the error that ended the session."""
-    text, entries, finish = "", [], None
+    text, entries, end = await _gathered(chunks)
+    return end if isinstance(end, ErrorChunk) else builder.envelope(
+        builder.status(end), builder.output(text, entries, builder.status(end)), end)
+
+
+async def _gathered(chunks: AsyncIterator[tuple[int, Chunk]]) -> tuple[str, list, FinishChunk | ErrorChunk]:
+    """The session's text, its tokens' logprobs, and its finish (or the error that ended it)."""
+    text, entries = "", []
     async for _, chunk in chunks:
         match chunk:
             case ErrorChunk():
-                return chunk
+                return text, entries, chunk
             case TokensChunk():
                 text += chunk.text
                 entries += chunk.logprobs or []
             case FinishChunk():
-                text += chunk.text
-                finish = chunk
-    status = builder.status(finish)
-    return builder.envelope(status, [builder.item(status, [builder.part(text, entries)])], finish)
+                return text + chunk.text, entries, chunk
+    return text, entries, ErrorChunk("server_error", "the session ended without a finish")
 
 
 async def response_events(chunks: AsyncIterator[tuple[int, Chunk]], builder: ResponseBuilder) -> AsyncIterator[str]:
@@ -226,10 +305,44 @@ async def response_events(chunks: AsyncIterator[tuple[int, Chunk]], builder: Res
     carries the logprobs of the tokens whose text it completes (`TokensChunk.settled`); the rest come with the
     last text."""
     try:
-        async for event in _events(chunks, builder):
+        async for event in (_events(chunks, builder) if builder.mode is None else _events_with_tools(chunks, builder)):
             yield event
     finally:
         await chunks.aclose()
+
+
+def _error_event(b: ResponseBuilder, error: ErrorChunk) -> str:
+    return b.event("error", code=error.type, message=error.message, param=None,
+                   error={"message": error.message, "type": error.type, "param": None, "code": None})
+
+
+async def _events_with_tools(chunks: AsyncIterator[tuple[int, Chunk]], b: ResponseBuilder) -> AsyncIterator[str]:
+    """With tools in play the text may be a call: the output's events come once it is finished (as chat holds
+    back text that may be a call), each item's whole."""
+    yield b.event("response.created", response=b.envelope("in_progress", []))
+    yield b.event("response.in_progress", response=b.envelope("in_progress", []))
+    text, entries, end = await _gathered(chunks)
+    if isinstance(end, ErrorChunk):
+        yield _error_event(b, end)
+        return
+    status = b.status(end)
+    output = b.output(text, entries, status)
+    for index, item in enumerate(output):
+        yield b.event("response.output_item.added", item={**item, "status": "in_progress", "content": []}
+                      if item["type"] == "message" else {**item, "arguments": "", "status": "in_progress"},
+                      output_index=index)
+        at = {"output_index": index, "item_id": item["id"]}
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield b.event("response.content_part.added", part={**part, "text": "", "logprobs": []}, content_index=0, **at)
+            yield b.event("response.output_text.delta", delta=part["text"], logprobs=part["logprobs"], content_index=0, **at)
+            yield b.event("response.output_text.done", text=part["text"], logprobs=part["logprobs"], content_index=0, **at)
+            yield b.event("response.content_part.done", part=part, content_index=0, **at)
+        else:
+            yield b.event("response.function_call_arguments.delta", delta=item["arguments"], **at)
+            yield b.event("response.function_call_arguments.done", arguments=item["arguments"], name=item["name"], **at)
+        yield b.event("response.output_item.done", item=item, output_index=index)
+    yield b.event("response.completed", response=b.envelope(status, output, end))
 
 
 async def _events(chunks: AsyncIterator[tuple[int, Chunk]], builder: ResponseBuilder) -> AsyncIterator[str]:
@@ -250,8 +363,7 @@ async def _events(chunks: AsyncIterator[tuple[int, Chunk]], builder: ResponseBui
     async for _, chunk in chunks:
         match chunk:
             case ErrorChunk():
-                yield b.event("error", code=chunk.type, message=chunk.message, param=None,
-                              error={"message": chunk.message, "type": chunk.type, "param": None, "code": None})
+                yield _error_event(b, chunk)
                 return
             case TokensChunk():
                 entries += chunk.logprobs or []

@@ -73,9 +73,10 @@ def assert_responses_features(client: openai.OpenAI, http: str, api_key: str | N
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     refused = [({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
-               ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "chat/completions"),
+               ({"tools": [{"type": "web_search"}]}, "tools.0.type", "'function'"),
                ({"background": True}, "background", "not supported"),
-               ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input", "not served"),
+               ({"input": [{"type": "reasoning", "summary": []}]}, "input", "not served"),
+               ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input", "needs output"),
                ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
                 "only text parts"),
                ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
@@ -123,3 +124,47 @@ def assert_tokenizer_routes(http: str, api_key: str, tokenizer, prompt: str, cha
     from importlib.metadata import version
 
     assert httpx.get(http + "/version", timeout=60).json() == {"version": version("tandem")}
+
+
+def assert_responses_tools(client: openai.OpenAI) -> None:
+    """Function tools on /v1/responses: a required (and a named) tool choice gives `function_call` items whose
+    arguments follow the schema (a grammar), streamed as whole items; the call and its output sent back as
+    items give the prompt and the answer chat completions give for the same conversation."""
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                             "additionalProperties": False}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.responses.create(model=MODEL, input=ask, tools=tools, tool_choice="required", max_output_tokens=48,
+                                temperature=0, parallel_tool_calls=False)  # one call (the grammar ends after it)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather", r.output
+    assert set(json.loads(calls[0].arguments)) == {"city"} and r.tools[0].name == "get_weather"
+    assert r.parallel_tool_calls is False
+    events = list(client.responses.create(model=MODEL, input=ask, tools=tools, tool_choice="required",
+                                          max_output_tokens=48, temperature=0, parallel_tool_calls=False, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [c.arguments for c in calls]
+    assert events[-1].type == "response.completed" and len(events[-1].response.output) == len(r.output)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    named = client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=48, temperature=0,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    assert [(o.type, o.name) for o in named.output] == [("function_call", "get_weather")]
+    assert set(json.loads(named.output[0].arguments)) == {"city"}
+
+    call = calls[0]
+    back = ask + [{"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
+    answer = client.responses.create(model=MODEL, input=back, tools=tools, max_output_tokens=16, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=16, temperature=0,
+        tools=[{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}],
+        messages=ask + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}])
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    message = chat.choices[0].message
+    if message.tool_calls:  # the model called again: the same calls
+        assert [(o.name, o.arguments) for o in answer.output if o.type == "function_call"] == \
+            [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    else:
+        assert answer.output_text == message.content

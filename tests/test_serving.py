@@ -20,7 +20,8 @@ from deployments.config import TandemAppConfig
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
 from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, raylet_pid, serve_app
-from tests.openai_checks import assert_responses_features, assert_responses_greedy, assert_tokenizer_routes
+from tests.openai_checks import (assert_responses_features, assert_responses_greedy, assert_responses_tools,
+                                 assert_tokenizer_routes)
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_prompt_logprobs import assert_echo_and_scoring
 
@@ -596,9 +597,10 @@ def test_a_ray_on_one_machine_keeps_no_idle_workers_waiting(server):
 def test_responses_api_greedy_streamed_and_refusals(server, client, tokenizer, prompt_ids, references):
     """/v1/responses (OpenAI's Responses API) through the real client: the chat prompts' greedy text
     (transformers'), as one response, as its event stream and through the client's stream helper; its
-    features and refusals (tests.openai_checks.py)."""
+    features and refusals (tests/openai_checks.py)."""
     assert_responses_greedy(client, tokenizer, PROMPTS[4][0], prompt_ids[4], _ref(references, prompt_ids, 4), MAX_TOKENS)
     assert_responses_features(client, server.http, API_KEY)
+    assert_responses_tools(client)
 
 
 def test_tokenizer_routes(server, tokenizer, prompt_ids):

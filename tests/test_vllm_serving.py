@@ -30,7 +30,8 @@ from cluster.vllm.protocol import DrafterSpec, ProposerImport, RequestKey  # noq
 from deployments.config import TandemAppConfig  # noqa: E402
 from protos import pb, rpc  # noqa: E402
 from tests.helpers import SERVE_PROMPTS, assert_text_options, serve_app  # noqa: E402
-from tests.openai_checks import assert_responses_features, assert_responses_greedy, assert_tokenizer_routes  # noqa: E402
+from tests.openai_checks import (assert_responses_features, assert_responses_greedy,  # noqa: E402
+                                 assert_responses_tools, assert_tokenizer_routes)
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls  # noqa: E402
 from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error, _generate  # noqa: E402
 from tests.test_prompt_logprobs import assert_echo_and_scoring  # noqa: E402
@@ -374,9 +375,10 @@ def test_structured_outputs_pass_through_to_vllm(client):
 
 def test_responses_api_on_vllm(server, client, tokenizer, prompt_ids, references):
     """/v1/responses on the vLLM backend: the chat prompt's greedy text (transformers'), streamed and not, and
-    the same features and refusals as on torch (tests.openai_checks.py)."""
+    the same features and refusals as on torch (tests/openai_checks.py)."""
     assert_responses_greedy(client, tokenizer, PROMPTS[3][0], prompt_ids[3], references[tuple(prompt_ids[3])], MAX_TOKENS)
     assert_responses_features(client, server.http, API_KEY)
+    assert_responses_tools(client)
     assert_tokenizer_routes(server.http, API_KEY, tokenizer, PROMPTS[0][0], PROMPTS[3][0], prompt_ids[3])
 
 

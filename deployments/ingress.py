@@ -15,7 +15,6 @@ import time
 import uuid
 from typing import Literal
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from jinja2.exceptions import TemplateError
@@ -27,14 +26,14 @@ from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import SamplingParams
 from cluster.core.validation import validate_request
 from cluster.model import models
-from cluster.wire.codec import logprob_fields_from_pb, logprobs_to_pb, processor_fields_from_pb, text_fields_from_pb
 from deployments import openai_tools
-from deployments.chunks import ErrorChunk, FinishChunk, TokensChunk
+from deployments.chunks import ErrorChunk
 from deployments.config import TandemAppConfig
 from deployments.failover import FailoverMetrics, resumable_stream
+from deployments.ingress_grpc import ERROR_STATUS, GrpcRoutes
 from deployments.openai_api import CompletionRequest, parse_request
-from deployments.openai_chat import ChatCompletionRequest
 from deployments.openai_body import ApiError, ErrorResponse, error_response, read_body
+from deployments.openai_chat import ChatCompletionRequest
 from deployments.openai_choices import Echo, choice_params, collect, open_choices, sse
 from deployments.openai_logprobs import LogprobFormat
 from deployments.openai_responses import (
@@ -49,12 +48,8 @@ from deployments.openai_responses import (
     openapi_document,
     route_docs,
 )
-from deployments.openai_responses_api import (
-    ResponseBuilder,
-    ResponsesRequest,
-    collect_response,
-    response_events,
-)
+from deployments.openai_response_events import ResponseBuilder, collect_response, response_events
+from deployments.openai_responses_api import ResponsesRequest
 from deployments.openai_tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -65,18 +60,9 @@ from deployments.openai_tokenize import (
     tandem_version,
     tokenize,
 )
-from protos import UnreadableRequest, pb
 
 log = logging.getLogger(__name__)
 
-# an ErrorChunk's type -> (HTTP status, gRPC code); anything else is a server error
-ERROR_STATUS = {"invalid_request_error": (400, grpc.StatusCode.INVALID_ARGUMENT),
-                "service_unavailable": (503, grpc.StatusCode.UNAVAILABLE),
-                "overloaded": (503, grpc.StatusCode.RESOURCE_EXHAUSTED),
-                "timeout": (504, grpc.StatusCode.DEADLINE_EXCEEDED)}
-
-# chat roles a gRPC ChatMessage may carry -> the role the chat template sees
-GRPC_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 app = FastAPI(title="tandem", description="OpenAI-compatible API over lossless pipelined speculative decoding.")
 app.openapi = lambda: openapi_document(app)
@@ -100,7 +86,7 @@ async def _on_server_error(request: Request, e: Exception):
 # ---- the ingress deployment -----------------------------------------------------------------------
 
 
-class IngressRoutes:
+class IngressRoutes(GrpcRoutes):
     """The API's routes and checks, on whatever replica serves them: the `Ingress` deployment (sessions on
     the router deployment or the vLLM verifier replicas, through `router_handle`), or a vLLM verifier replica
     that is its own ingress (`deployments.vllm_serving.DirectVLLMServer`: `router_handle` calls the replica
@@ -323,65 +309,6 @@ class IngressRoutes:
         if isinstance(result, ErrorChunk):
             return self._error(result)
         return openai_tools.apply(result, tools) if kind == "chat" else result
-
-    # -- gRPC (Generation service through Serve's gRPC proxy) ----------------------------------------
-
-    async def Generate(self, request, grpc_context=None):
-        try:
-            if isinstance(request, UnreadableRequest):  # protos.read_generate_request could not read it
-                raise InvalidRequestError(request.reason)
-            if request.model and request.model != self.config.model_id:
-                raise InvalidRequestError(f"the model `{request.model}` does not exist; this server serves "
-                                          f"`{self.config.model_id}`")
-            if request.WhichOneof("input") == "messages":
-                prompt_ids = self._chat_ids([{"role": self._grpc_role(m.role), "content": m.content}
-                                             for m in request.messages.messages])
-            elif request.prompt:
-                prompt_ids = list(self.tokenizer(request.prompt)["input_ids"])
-            else:
-                raise InvalidRequestError("prompt or messages is required")
-            p = request.params
-            params = self._sampling(prompt_ids, p.max_tokens or None, temperature=p.temperature,
-                                    top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
-                                    stop=list(p.stop), ignore_eos=p.ignore_eos, **processor_fields_from_pb(p),
-                                    **logprob_fields_from_pb(p), **text_fields_from_pb(p))
-            if params.structured_outputs is not None:
-                await asyncio.to_thread(grammar.check, params.structured_outputs, self.vocab_size)
-        except InvalidRequestError as e:
-            grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-            grpc_context.set_details(str(e))
-            raise  # Serve's proxy answers with the code set above
-        gamma = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
-        async for chunk in self._run(prompt_ids, params, gamma):
-            match chunk:
-                case ErrorChunk():
-                    grpc_context.set_code(ERROR_STATUS.get(chunk.type, (500, grpc.StatusCode.INTERNAL))[1])
-                    grpc_context.set_details(chunk.message)
-                    raise InvalidRequestError(chunk.message)
-                case TokensChunk():
-                    yield pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, prompt_tokens=len(prompt_ids),
-                                              logprobs=logprobs_to_pb(chunk.logprobs or ()))
-                case FinishChunk():
-                    s = chunk.stats
-                    yield pb.GenerateResponse(
-                        text=chunk.text, prompt_tokens=len(prompt_ids), finish_reason=chunk.finish_reason,
-                        completion_tokens=chunk.completion_tokens, stats=pb.SpeculationStats(
-                            drafted=s["drafted"], accepted=s["accepted"], acceptance_rate=s["acceptance_rate"],
-                            mean_accepted_length=s["mean_accepted_length"], rounds=s["rounds"],
-                            accepted_per_position=s["accepted_per_position"],
-                            drafted_per_position=s["drafted_per_position"]))
-
-    @staticmethod
-    def _grpc_role(role: str) -> str:
-        if role not in GRPC_ROLES:
-            raise InvalidRequestError(f"messages: role {role[:40]!r} is not one of {', '.join(GRPC_ROLES)}")
-        return GRPC_ROLES[role]
-
-    async def Check(self, request, grpc_context=None):
-        """grpc.health.v1.Health/Check: SERVING once this replica runs (Serve only routes to live ones)."""
-        from grpc_health.v1 import health_pb2
-
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
 
 @serve.ingress(app)  # at import, so every process that unpickles a replica class sees the same routes (bound to

@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
-from cluster.core.errors import InvalidRequestError
 from cluster.core.processors import tokenize_bad_words
 from cluster.core.sampling import MAX_LOGPROBS, LogprobsMode
 from deployments.openai_body import ApiError, parse_json_object

@@ -330,15 +330,26 @@ def _verifier_sessions() -> int:
     return serve.get_deployment_handle("VerifierPool", "tandem").sessions.remote().result()
 
 
-def test_client_disconnect_frees_the_session(server):
-    body = {"model": MODEL, "prompt": "Count from one to a thousand: one, two,", "max_tokens": 2000,
-            "temperature": 0, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=60,
+COUNT = "Count from one to a thousand: one, two,"
+_TOOL = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": COUNT, "max_tokens": 2000}),
+    ("/v1/responses", {"input": COUNT, "max_output_tokens": 2000}),
+    ("/v1/responses", {"input": COUNT, "max_output_tokens": 2000, "tools": _TOOL}),  # output held until the end
+], ids=["completions", "responses", "responses-with-tools"])
+def test_client_disconnect_frees_the_session(server, path, body):
+    body = {"model": MODEL, "temperature": 0, "stream": True, "ignore_eos": True, **body}
+    with httpx.stream("POST", server.http + path, json=body, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
+        deadline = time.time() + 30
+        while _verifier_sessions() != 1 and time.time() < deadline:  # the session opens as the stream starts
+            time.sleep(0.1)
         assert _verifier_sessions() == 1
     deadline = time.time() + 60
     while _verifier_sessions() and time.time() < deadline:

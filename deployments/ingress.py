@@ -42,6 +42,7 @@ from deployments.openai_responses import (
     CompletionChunk,
     CompletionResponse,
     Health,
+    ModelCard,
     ModelList,
     ResponseEvent,
     ResponseObject,
@@ -183,8 +184,23 @@ class IngressRoutes(GrpcRoutes):
     async def list_models(self, request: Request):
         if not self._authorized(request):
             return _unauthorized()
-        return {"object": "list", "data": [{"id": self.config.model_id, "object": "model", "created": self.created,
-                                            "owned_by": "tandem", "max_model_len": self.max_context}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}", responses={200: {"model": ModelCard}, 401: {"model": ErrorResponse},
+                                                   404: {"model": ErrorResponse}})
+    async def retrieve_model(self, request: Request, model: str):
+        """OpenAI's retrieve (`client.models.retrieve`): the served model's card, or 404 for any other."""
+        if not self._authorized(request):
+            return _unauthorized()
+        try:
+            self._check_model(model)
+        except ApiError as e:
+            return e.response()
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "tandem",
+                "max_model_len": self.max_context}
 
     @app.post("/v1/completions", **route_docs(CompletionRequest, CompletionResponse, CompletionChunk))
     async def completions(self, request: Request):

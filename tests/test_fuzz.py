@@ -29,7 +29,7 @@ OPERATIONS = [("POST", "/v1/completions", POSITIVE, 25), ("POST", "/v1/completio
               ("POST", "/v1/responses", POSITIVE, 12), ("POST", "/v1/responses", NEGATIVE, 20),
               ("POST", "/tokenize", POSITIVE, 8), ("POST", "/tokenize", NEGATIVE, 12),
               ("POST", "/detokenize", POSITIVE, 4), ("POST", "/detokenize", NEGATIVE, 6),
-              ("GET", "/v1/models", POSITIVE, 4), ("GET", "/health", POSITIVE, 4), ("GET", "/version", POSITIVE, 2)]
+              ("GET", "/v1/models", POSITIVE, 4), ("GET", "/v1/models/{model}", POSITIVE, 4), ("GET", "/health", POSITIVE, 4), ("GET", "/version", POSITIVE, 2)]
 
 
 @pytest.fixture(scope="module")

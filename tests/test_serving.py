@@ -52,6 +52,11 @@ def _ref(references, prompt_ids, i):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(server.http + f"/v1/models/{MODEL}").status_code == 401  # the key is asked here too
     assert httpx.get(server.http + "/health").json() == {"status": "ok"}
 
 

@@ -36,7 +36,8 @@ class ResponseBuilder:
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": b.model,
-               "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
+               "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
+               "previous_response_id": None,
                "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
                "tool_choice": b.tool_choice.model_dump() if isinstance(b.tool_choice, NamedFunction)
                else b.tool_choice or "auto", "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
@@ -133,11 +134,11 @@ async def _events_with_tools(chunks: AsyncIterator[tuple[int, Chunk]], b: Respon
                       output_index=index)
         at = {"output_index": index, "item_id": item["id"]}
         if item["type"] == "message":
-            part = item["content"][0]
-            yield b.event("response.content_part.added", part={**part, "text": "", "logprobs": []}, content_index=0, **at)
-            yield b.event("response.output_text.delta", delta=part["text"], logprobs=part["logprobs"], content_index=0, **at)
-            yield b.event("response.output_text.done", text=part["text"], logprobs=part["logprobs"], content_index=0, **at)
-            yield b.event("response.content_part.done", part=part, content_index=0, **at)
+            part, at = item["content"][0], {**at, "content_index": 0}
+            yield b.event("response.content_part.added", part={**part, "text": "", "logprobs": []}, **at)
+            yield b.event("response.output_text.delta", delta=part["text"], logprobs=part["logprobs"], **at)
+            yield b.event("response.output_text.done", text=part["text"], logprobs=part["logprobs"], **at)
+            yield b.event("response.content_part.done", part=part, **at)
         else:
             yield b.event("response.function_call_arguments.delta", delta=item["arguments"], **at)
             yield b.event("response.function_call_arguments.done", arguments=item["arguments"], name=item["name"], **at)

@@ -163,7 +163,8 @@ class ResponsesRequest(_Common):
             elif item.type == "function_call_output":
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             else:
-                call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
                 if not (out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls")):
                     out.append({"role": "assistant", "content": "", "tool_calls": []})
                 out[-1]["tool_calls"].append(call)

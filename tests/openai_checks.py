@@ -28,7 +28,8 @@ def assert_responses_greedy(client: openai.OpenAI, tokenizer, prompt: str, promp
     assert r.output_text == text and r.status == status and r.object == "response" and r.id.startswith("resp_")
     assert (r.incomplete_details.reason if r.incomplete_details else None) == \
         ("max_output_tokens" if status == "incomplete" else None)
-    assert [(o.type, o.role, [c.type for c in o.content]) for o in r.output] == [("message", "assistant", ["output_text"])]
+    assert [(o.type, o.role, [c.type for c in o.content]) for o in r.output] == \
+        [("message", "assistant", ["output_text"])]
     assert r.usage.input_tokens == len(prompt_ids) and r.usage.output_tokens == len(ref)
     assert r.usage.total_tokens == len(prompt_ids) + len(ref) and r.store is False
     assert r.model_extra["speculation"]["rounds"] > 0
@@ -155,6 +156,12 @@ def assert_responses_tools(client: openai.OpenAI) -> None:
     back = ask + [{"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
                   {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
     answer = client.responses.create(model=MODEL, input=back, tools=tools, max_output_tokens=16, temperature=0)
+    streamed = list(client.responses.create(model=MODEL, input=back, tools=tools, max_output_tokens=16, temperature=0,
+                                            stream=True))  # with tools in play: the output's items whole, at the end
+    assert [o.model_dump(exclude={"id", "call_id"}) for o in streamed[-1].response.output] == \
+        [o.model_dump(exclude={"id", "call_id"}) for o in answer.output]
+    deltas = "".join(e.delta for e in streamed if e.type == "response.output_text.delta")
+    assert deltas == "".join(c.text for o in answer.output if o.type == "message" for c in o.content)
     chat = client.chat.completions.create(
         model=MODEL, max_tokens=16, temperature=0,
         tools=[{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}],

@@ -614,7 +614,8 @@ def test_responses_api_greedy_streamed_and_refusals(server, client, tokenizer, p
     """/v1/responses (OpenAI's Responses API) through the real client: the chat prompts' greedy text
     (transformers'), as one response, as its event stream and through the client's stream helper; its
     features and refusals (tests/openai_checks.py)."""
-    assert_responses_greedy(client, tokenizer, PROMPTS[4][0], prompt_ids[4], _ref(references, prompt_ids, 4), MAX_TOKENS)
+    assert_responses_greedy(client, tokenizer, PROMPTS[4][0], prompt_ids[4], _ref(references, prompt_ids, 4),
+                            MAX_TOKENS)
     assert_responses_features(client, server.http, API_KEY)
     assert_responses_tools(client)
 
@@ -629,12 +630,14 @@ def test_chat_template_options(server, client, tokenizer):
     `add_generation_prompt: false` is the same prompt and greedy text as completions on the template's own ids;
     /tokenize builds the same ids; `chat_template_kwargs` reach the template (SmolLM2's ignores
     `enable_thinking`); both options true, a template argument in the kwargs, or a request's own template: 400."""
-    messages = [{"role": "user", "content": PROMPTS[3][0]}, {"role": "assistant", "content": "The capital of France is"}]
+    messages = [{"role": "user", "content": PROMPTS[3][0]},
+                {"role": "assistant", "content": "The capital of France is"}]
     ids = list(tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True, return_dict=False))
     assert ids[-3:] != tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)[-3:]  # left open
     options = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True,
                "chat_template_kwargs": {"enable_thinking": False}}
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=options)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                          extra_body=options)
     plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
                                       extra_body={"return_token_ids": True})
     assert chat.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API's requests: their models and how a raw body becomes one (the body's
-reading and the error body: `deployments/openai_body.py`; responses: `deployments/openai_responses.py`).
+"""The OpenAI-compatible HTTP API's requests: the fields every generation route shares, the completions request,
+and how a raw body becomes a request (the body's reading and the error body: `deployments/openai_body.py`; the
+chat request: `openai_chat.py`; the Responses API's: `openai_responses_api.py`; answers: `openai_responses.py`).
 
 Policy (README, "Serving"): what tandem can honour is served; fields that change nothing it serves are
 accepted and ignored (each name logged once per process), unknown fields too, as vLLM does; what it

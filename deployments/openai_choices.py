@@ -10,9 +10,9 @@ Completions may carry several prompts: choice `p * n + j` is prompt p's choice j
 each prompt once.
 
 `echo` (completions, one `Echo` per choice): each choice's text starts with its prompt's, and its `logprobs`
-with the prompt tokens' (a choice's `PromptChunk`: the target's, scored as the verifier prefilled the prompt); streamed,
-the prompt comes in an event of its own before the choice's first tokens. A choice whose session sent a
-`PromptChunk` carries vLLM's `prompt_logprobs` (not streamed, as in vLLM).
+with the prompt tokens' (a choice's `PromptChunk`: the target's, scored as the verifier prefilled the
+prompt); streamed, the prompt comes in an event of its own before the choice's first tokens. A choice whose
+session sent a `PromptChunk` carries vLLM's `prompt_logprobs` (not streamed, as in vLLM).
 """
 
 from __future__ import annotations

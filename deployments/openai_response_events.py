@@ -14,7 +14,7 @@ from deployments.chunks import Chunk, ErrorChunk, FinishChunk, TokensChunk
 from deployments.openai_choices import speculation
 from deployments.openai_logprobs import LogprobFormat
 from deployments.openai_responses_api import NamedFunction, ResponsesRequest
-from deployments.openai_tools import parse
+from deployments.openai_tools import OPEN_TAG, held_from, parse
 
 
 class ResponseBuilder:
@@ -68,6 +68,8 @@ class ResponseBuilder:
         content, calls = parse(text, self.mode) if self.mode is not None else (text, [])
         if not calls:
             return [self.item(status, [self.part(text, entries)])]
+        if self.mode == "auto":  # the text before the first call as it was streamed (parse strips it)
+            content = text[:text.find(OPEN_TAG)]
         head = [self.item(status, [self.part(content, [])])] if content else []
         return head + [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": c["id"],
                         "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
@@ -118,30 +120,57 @@ def _error_event(b: ResponseBuilder, error: ErrorChunk) -> str:
 
 
 async def _events_with_tools(chunks: AsyncIterator[tuple[int, Chunk]], b: ResponseBuilder) -> AsyncIterator[str]:
-    """With tools in play the text may be a call: the output's events come once it is finished (as chat holds
-    back text that may be a call), each item's whole."""
+    """With tools in play the text may be a call. With `auto`, the text is streamed up to where a call may start
+    (`<tool_call>`, or a possible start of it at the end), as chat streams it, and the calls come as whole items
+    once the output is finished; a required or named choice's output is all calls, so all of it comes then."""
     yield b.event("response.created", response=b.envelope("in_progress", []))
     yield b.event("response.in_progress", response=b.envelope("in_progress", []))
-    text, entries, end = await _gathered(chunks)
-    if isinstance(end, ErrorChunk):
-        yield _error_event(b, end)
+    text, entries, sent, opened, end = "", [], 0, False, None
+    part_at = {"output_index": 0, "item_id": b.item_id, "content_index": 0}
+
+    def stream_text(upto: int, open_anyway: bool = False):
+        nonlocal sent, opened
+        if not opened and (upto > sent or open_anyway):  # the message item opens with its first text
+            opened = True
+            yield b.event("response.output_item.added", item=b.item("in_progress", []), output_index=0)
+            yield b.event("response.content_part.added", part=b.part("", []), **part_at)
+        if upto > sent:
+            yield b.event("response.output_text.delta", delta=text[sent:upto], logprobs=[], **part_at)
+            sent = upto
+
+    async for _, chunk in chunks:
+        match chunk:
+            case ErrorChunk():
+                yield _error_event(b, chunk)
+                return
+            case TokensChunk():
+                text += chunk.text
+                entries += chunk.logprobs or []
+                if b.mode == "auto":
+                    for event in stream_text(held_from(text, b.mode)):
+                        yield event
+            case FinishChunk():
+                text, end = text + chunk.text, chunk
+                break
+    if end is None:
+        yield _error_event(b, ErrorChunk("server_error", "the session ended without a finish"))
         return
     status = b.status(end)
     output = b.output(text, entries, status)
     for index, item in enumerate(output):
-        yield b.event("response.output_item.added", item={**item, "status": "in_progress", "content": []}
-                      if item["type"] == "message" else {**item, "arguments": "", "status": "in_progress"},
-                      output_index=index)
         at = {"output_index": index, "item_id": item["id"]}
-        if item["type"] == "message":
-            part, at = item["content"][0], {**at, "content_index": 0}
-            yield b.event("response.content_part.added", part={**part, "text": "", "logprobs": []}, **at)
-            yield b.event("response.output_text.delta", delta=part["text"], logprobs=part["logprobs"], **at)
-            yield b.event("response.output_text.done", text=part["text"], logprobs=part["logprobs"], **at)
-            yield b.event("response.content_part.done", part=part, **at)
+        if item["type"] == "message":  # first, and its text starts with what went out already
+            part = item["content"][0]
+            for event in stream_text(len(part["text"]), open_anyway=True):
+                yield event
+            yield b.event("response.output_text.done", text=part["text"], logprobs=part["logprobs"], **part_at)
+            yield b.event("response.content_part.done", part=part, **part_at)
         else:
+            yield b.event("response.output_item.added", item={**item, "arguments": "", "status": "in_progress"},
+                          output_index=index)
             yield b.event("response.function_call_arguments.delta", delta=item["arguments"], **at)
-            yield b.event("response.function_call_arguments.done", arguments=item["arguments"], name=item["name"], **at)
+            yield b.event("response.function_call_arguments.done", arguments=item["arguments"], name=item["name"],
+                          **at)
         yield b.event("response.output_item.done", item=item, output_index=index)
     yield b.event("response.completed", response=b.envelope(status, output, end))
 

@@ -15,7 +15,7 @@ of one `output_text` part, or, with
 `response.output_item.done`, then `response.completed` (as vLLM sends it, also where `max_output_tokens` ended
 the response: the response's status then says `incomplete`). An error after the stream started is an `error`
 event. With tools in play the model's calls are `function_call` output items, parsed from the finished text as
-chat parses them, so a stream sends the output's items once it is finished. Nothing is stored (`store: false`
+chat parses them: a stream sends text up to where a call may start, and the calls whole at the end. Nothing is stored (`store: false`
 in every response): `previous_response_id`, `background` and conversations are refused with a clear 400, as
 are built-in tools and input items other than text messages, function calls and their outputs.
 """

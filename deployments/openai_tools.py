@@ -204,7 +204,7 @@ def apply(body: dict, mode: str | None) -> dict:
     return body
 
 
-def _held(text: str, mode: str) -> int:
+def held_from(text: str, mode: str) -> int:
     """Where the text still to be sent starts being held back: all of it for a required or named choice;
     with auto, from `<tool_call>` (or a possible start of it at the end) on."""
     if mode != "auto":
@@ -240,7 +240,7 @@ async def stream(events: AsyncIterator[str], mode: str | None) -> AsyncIterator[
             i, delta = choice["index"], choice.get("delta", {})
             if "content" in delta and delta["content"]:
                 texts[i] = texts.get(i, "") + delta["content"]
-                upto = _held(texts[i], mode)
+                upto = held_from(texts[i], mode)
                 delta["content"] = texts[i][sent.get(i, 0):upto] if upto > sent.get(i, 0) else ""
                 sent[i] = max(sent.get(i, 0), upto)
                 if not delta["content"] and set(delta) == {"content"} and choice.get("logprobs") is None:

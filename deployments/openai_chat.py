@@ -8,11 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import MAX_LOGPROBS
 from deployments.openai_api import MAX_UINT32, _Common, _Lenient, ignored, not_served
 from deployments.openai_body import ApiError
-from deployments.openai_tools import MAX_TOOLS, ToolCall, ToolChoice, ToolDef, tool_grammar, tool_mode
+from deployments.openai_tools import MAX_TOOLS, ToolCall, ToolChoice, ToolDef, one_grammar, tool_grammar, tool_mode
 
 # what apply_chat_template takes itself: a request's chat_template_kwargs may not set these
 _TEMPLATE_RESERVED = {"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -116,12 +115,8 @@ class ChatCompletionRequest(_Common, TemplateFields):
 
     def structured(self):
         """The grammar: a required or named tool choice's, else what the structured-output fields ask."""
-        tools = tool_grammar(self.tools or [], self.tool_mode(), self.parallel_tool_calls is not False)
-        asked = super().structured()
-        if tools is not None and asked is not None:
-            raise InvalidRequestError("tool_choice: a required or named tool choice cannot be combined with "
-                                      "response_format or structured_outputs")
-        return tools or asked
+        return one_grammar(tool_grammar(self.tools or [], self.tool_mode(), self.parallel_tool_calls is not False),
+                           super().structured(), "response_format or structured_outputs")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

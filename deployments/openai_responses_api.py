@@ -30,7 +30,15 @@ from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import MAX_LOGPROBS
 from deployments.openai_api import MAX_UINT32, _Common, _Lenient, ignored, not_served, validation_error
 from deployments.openai_structured import JsonSchemaFormat, ResponseFormat
-from deployments.openai_tools import MAX_TOOLS, FunctionDef, NamedToolChoice, ToolDef, tool_grammar, tool_mode
+from deployments.openai_tools import (
+    MAX_TOOLS,
+    FunctionDef,
+    NamedToolChoice,
+    ToolDef,
+    one_grammar,
+    tool_grammar,
+    tool_mode,
+)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -179,15 +187,14 @@ class ResponsesRequest(_Common):
         return tool_mode(self.chat_tools(), choice)
 
     def structured(self):
+        """The grammar: a required or named tool choice's, else what `text.format` or the base's fields ask."""
+        tools = tool_grammar(self.chat_tools() or [], self.tool_mode(), self.parallel_tool_calls is not False)
+        return one_grammar(tools, self._asked_grammar(), "text.format or structured outputs")
+
+    def _asked_grammar(self):
         """`text.format` as chat's `response_format` would ask for it (the base's rule on a copy that carries it),
         else the base's fields (vLLM's `structured_outputs` and `guided_*` are served here too)."""
         fmt = self.text.format if self.text is not None else None
-        tools = tool_grammar(self.chat_tools() or [], self.tool_mode(), self.parallel_tool_calls is not False)
-        if tools is not None:
-            if (fmt is not None and fmt.type != "text") or super().structured() is not None:
-                raise InvalidRequestError("tool_choice: a required or named tool choice cannot be combined with "
-                                          "text.format or structured outputs")
-            return tools
         if fmt is not None and fmt.type != "text":
             if self.response_format is not None:
                 raise InvalidRequestError("text.format, response_format: ask for one grammar at a time")

@@ -119,6 +119,15 @@ def tool_grammar(tools: list[ToolDef], mode: str | None, parallel: bool = True) 
     return StructuredOutputs.of_schema(schema)
 
 
+def one_grammar(tools: StructuredOutputs | None, asked: StructuredOutputs | None,
+                asked_by: str) -> StructuredOutputs | None:
+    """A request's one grammar: its required or named tool choice's (`tool_grammar`), or the one its other fields
+    (`asked_by`, named in the error) ask for; both at once is the client's error, as in vLLM."""
+    if tools is not None and asked is not None:
+        raise InvalidRequestError(f"tool_choice: a required or named tool choice cannot be combined with {asked_by}")
+    return tools or asked
+
+
 def template_messages(messages: list[dict], tools: list[ToolDef] | None, mode: str | None,
                       template: str) -> tuple[list[dict], list[dict] | None]:
     """(messages, tools) for the chat template. A template that renders tools gets them as OpenAI sends them;

@@ -14,6 +14,7 @@ from cluster.core.errors import InvalidRequestError
 from deployments import openai_tools
 from deployments.openai_api import CompletionRequest, parse_request
 from deployments.openai_chat import ChatCompletionRequest
+from deployments.openai_responses_api import ResponsesRequest
 from deployments.openai_body import ApiError
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
@@ -54,6 +55,29 @@ def test_required_and_named_choices_are_grammars():
 def test_conflicting_or_unknown_asks_are_refused(fields, needle):
     with pytest.raises(InvalidRequestError, match=needle):
         _chat(**fields).structured()
+
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"tools": [RESPONSES_WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "cannot be combined with text.format"),
+    ({"tools": [RESPONSES_WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+      "structured_outputs": {"regex": "a+"}}, "cannot be combined with text.format"),
+    ({"text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}}, "one grammar at a time"),
+])
+def test_a_responses_request_asks_one_grammar(fields, needle):
+    """The Responses API's form of the rule above (`openai_tools.one_grammar`); a tool choice's grammar or
+    `text.format`'s alone is served."""
+    body = {"model": "m", "input": "hi", **fields}
+    with pytest.raises(InvalidRequestError, match=needle):
+        parse_request(json.dumps(body).encode(), ResponsesRequest).structured()
+    alone = {k: v for k, v in body.items() if k not in ("text", "structured_outputs", "response_format")}
+    if "tools" in alone:
+        assert parse_request(json.dumps(alone).encode(), ResponsesRequest).structured().kind == "json"
+    assert parse_request(json.dumps({"model": "m", "input": "hi", "text": {"format": {"type": "json_object"}}}).encode(),
+                         ResponsesRequest).structured().kind == "json_object"
 
 
 def test_the_request_fields_become_one_grammar():

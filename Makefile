@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-UV      = $(BIN)/uv pip --python $(BIN)/python
+UV      = UV_PYTHON=$(BIN)/python $(BIN)/uv pip
 # uv reads no pip.conf: the local wheels pip is configured to find (this machine's CPU torch), if any
 WHEELS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 export HF_HUB_OFFLINE = 1

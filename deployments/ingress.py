@@ -34,6 +34,7 @@ from deployments.ingress_grpc import ERROR_STATUS, GrpcRoutes
 from deployments.openai_api import CompletionRequest, parse_request
 from deployments.openai_body import ApiError, ErrorResponse, error_response, read_body
 from deployments.openai_chat import ChatCompletionRequest
+from deployments.openai_hosting import invocation_kind
 from deployments.openai_choices import Echo, choice_params, collect, open_choices, sse
 from deployments.openai_logprobs import LogprobFormat
 from deployments.openai_responses import (
@@ -180,6 +181,14 @@ class IngressRoutes(GrpcRoutes):
     async def health(self):
         return {"status": "ok"}
 
+    # vLLM's routes for hosts (deployments/openai_hosting.py)
+
+    @app.get("/ping", responses={200: {"model": Health}}, operation_id="ping_get")
+    @app.post("/ping", responses={200: {"model": Health}}, operation_id="ping_post")
+    async def ping(self):
+        """The health check under SageMaker's name (vLLM's `/ping`)."""
+        return {"status": "ok"}
+
     @app.get("/v1/models", responses={200: {"model": ModelList}, 401: {"model": ErrorResponse}})
     async def list_models(self, request: Request):
         if not self._authorized(request):
@@ -209,6 +218,20 @@ class IngressRoutes(GrpcRoutes):
     @app.post("/v1/chat/completions", **route_docs(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(self, request: Request):
         return await self.http(request, "chat")
+
+    @app.post("/invocations", **route_docs((ChatCompletionRequest, CompletionRequest),
+                                           (ChatCompletionResponse, CompletionResponse),
+                                           (ChatCompletionChunk, CompletionChunk),
+                                           "SageMaker's route (vLLM's): a chat completions body (`messages`) is "
+                                           "answered as /v1/chat/completions answers it, a completions body "
+                                           "(`prompt`) as /v1/completions."))
+    async def invocations(self, request: Request):
+        try:
+            raw = await read_body(request)
+            kind = invocation_kind(raw)
+        except ApiError as e:
+            return e.response()
+        return await self.http(request, kind, raw)
 
     @app.post("/v1/responses", **route_docs(ResponsesRequest, ResponseObject, ResponseEvent,
                                             "The response; with `stream`, OpenAI's response events."))
@@ -263,13 +286,13 @@ class IngressRoutes(GrpcRoutes):
         except InvalidRequestError as e:
             return error_response(400, str(e))
 
-    async def _checked(self, request: Request, model: type, prompts_of, max_tokens_of):
+    async def _checked(self, request: Request, model: type, prompts_of, max_tokens_of, raw: bytes | None = None):
         """(body, its prompts' ids, their params) of a valid request to a generation route (`prompts_of`: the
-        body's prompts, tokenized), or the error response to send."""
+        body's prompts, tokenized; `raw`: the body, where the route has read it), or the error response to send."""
         if not self._authorized(request):
             return _unauthorized()
         try:
-            body = parse_request(await read_body(request), model)
+            body = parse_request(raw if raw is not None else await read_body(request), model)
             self._check_model(body.model)
             prompts = prompts_of(body)
             params = [self._http_params(body, ids, max_tokens_of(body)) for ids in prompts]
@@ -289,15 +312,16 @@ class IngressRoutes(GrpcRoutes):
     def _completion_ids(self, body: CompletionRequest) -> list[list[int]]:
         return [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else p for p in body.prompts()]
 
-    async def http(self, request: Request, kind: Literal["completion", "chat"]):
+    async def http(self, request: Request, kind: Literal["completion", "chat"], raw: bytes | None = None):
         if kind == "completion":
-            checked = await self._checked(request, CompletionRequest, self._completion_ids, lambda b: b.max_tokens)
+            checked = await self._checked(request, CompletionRequest, self._completion_ids, lambda b: b.max_tokens,
+                                          raw)
         else:
             checked = await self._checked(
                 request, ChatCompletionRequest,
                 lambda b: [self._chat_ids([m.template_message() for m in b.messages], b.tools, b.tool_mode(),
                                           b.template_options())],
-                lambda b: b.max_completion_tokens or b.max_tokens)
+                lambda b: b.max_completion_tokens or b.max_tokens, raw)
         if not isinstance(checked, tuple):
             return checked
         body, prompts, params = checked  # choice p * n + j: prompt p's choice j (vLLM's order)

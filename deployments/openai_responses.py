@@ -292,23 +292,36 @@ _ERRORS = {400: "A malformed or unsupported request.", 401: "A missing or wrong 
 _DOCUMENTED_ELSEWHERE: list[type[BaseModel]] = []  # the models `route_docs` refers to by name
 
 
-def _ref(model: type[BaseModel]) -> dict:
-    return {"$ref": f"#/components/schemas/{model.__name__}"}
+def _ref(models: type[BaseModel] | tuple[type[BaseModel], ...]) -> dict:
+    """The schema of a model, or of any of several (a route that takes and answers more than one kind)."""
+    if isinstance(models, tuple):
+        return {"anyOf": [_ref(m) for m in models]}
+    return {"$ref": f"#/components/schemas/{models.__name__}"}
 
 
-def route_docs(request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel] | None,
+Models = type[BaseModel] | tuple[type[BaseModel], ...]
+
+
+def route_docs(request: Models, response: Models, chunk: Models | None,
                description: str = "The completion; with `stream`, server-sent events: one chunk each, then `[DONE]`.") -> dict:
     """FastAPI route keywords that document a route whose handler reads the raw body itself (so
     that the size, depth and encoding bounds apply before parsing); `chunk`: a streamed event's body
-    (None: the route does not stream)."""
-    _DOCUMENTED_ELSEWHERE.extend(m for m in (request, chunk) if m is not None and m not in _DOCUMENTED_ELSEWHERE)
-    ok: dict = {"model": response, "description": description}
+    (None: the route does not stream). A tuple of models: any one of them."""
+    named = [m for group in (request, chunk, response if isinstance(response, tuple) else None) if group is not None
+             for m in (group if isinstance(group, tuple) else (group,))]
+    _DOCUMENTED_ELSEWHERE.extend(m for m in dict.fromkeys(named) if m not in _DOCUMENTED_ELSEWHERE)
+    ok: dict = {"description": description}
+    if isinstance(response, tuple):  # FastAPI documents one model; several are documented here
+        ok["content"] = {"application/json": {"schema": _ref(response)}}
+    else:
+        ok["model"] = response
     if chunk is not None:
+        chunks = chunk if isinstance(chunk, tuple) else (chunk,)
         event = {"type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {"anyOf": [
             {"const": "[DONE]"},
             {"type": "string", "contentMediaType": "application/json",
-             "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}}}
-        ok["content"] = {"text/event-stream": {"itemSchema": event}}
+             "contentSchema": {"anyOf": [*(_ref(c) for c in chunks), _ref(ErrorResponse)]}}]}}}
+        ok.setdefault("content", {})["text/event-stream"] = {"itemSchema": event}
     return {
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}}},
         "responses": {200: ok, **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}},

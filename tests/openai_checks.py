@@ -176,3 +176,36 @@ def assert_responses_tools(client: openai.OpenAI) -> None:
             [(c.function.name, c.function.arguments) for c in message.tool_calls]
     else:
         assert answer.output_text == message.content
+
+
+def assert_hosting_routes(http: str, api_key: str, chat_prompt: str, prompt: str, max_tokens: int) -> None:
+    """vLLM's routes for hosts: `/ping` (GET and POST) needs no key, as `/health`; `/invocations` answers a chat
+    body as chat completions and a completions body as completions (greedy: the same text, streamed too), needs
+    the key and refuses a body that is neither."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    for method in ("GET", "POST"):
+        out = httpx.request(method, http + "/ping", timeout=60)
+        assert out.status_code == 200 and out.json() == {"status": "ok"}, (method, out.text)
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": chat_prompt}], "max_tokens": max_tokens,
+            "temperature": 0}
+    completion = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    texts = {}
+    for body, route, text_of in [
+            (chat, "/v1/chat/completions", lambda r: r["choices"][0]["message"]["content"]),
+            (completion, "/v1/completions", lambda r: r["choices"][0]["text"])]:
+        direct = httpx.post(http + route, json=body, headers=headers, timeout=120).json()
+        invoked = httpx.post(http + "/invocations", json=body, headers=headers, timeout=120)
+        assert invoked.status_code == 200, invoked.text
+        assert invoked.json()["object"] == direct["object"] and text_of(invoked.json()) == text_of(direct)
+        assert invoked.json()["usage"] == direct["usage"]
+        texts[route] = text_of(direct)
+    with httpx.stream("POST", http + "/invocations", json={**completion, "stream": True}, headers=headers,
+                      timeout=120) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == texts["/v1/completions"]
+    neither = httpx.post(http + "/invocations", json={"model": MODEL, "input": "hi"}, headers=headers, timeout=60)
+    assert neither.status_code == 400 and "neither" in neither.json()["error"]["message"]
+    bad = httpx.post(http + "/invocations", json={**chat, "temperature": -1}, headers=headers, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
+    assert httpx.post(http + "/invocations", json=chat, timeout=60).status_code == 401

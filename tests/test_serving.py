@@ -20,8 +20,8 @@ from deployments.config import TandemAppConfig
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
 from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, raylet_pid, serve_app
-from tests.openai_checks import (assert_responses_features, assert_responses_greedy, assert_responses_tools,
-                                 assert_tokenizer_routes)
+from tests.openai_checks import (assert_hosting_routes, assert_responses_features, assert_responses_greedy,
+                                 assert_responses_tools, assert_tokenizer_routes)
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_prompt_logprobs import assert_echo_and_scoring
 
@@ -623,6 +623,11 @@ def test_responses_api_greedy_streamed_and_refusals(server, client, tokenizer, p
 def test_tokenizer_routes(server, tokenizer, prompt_ids):
     """vLLM's /tokenize (a prompt, or a conversation: the chat route's prompt ids), /detokenize, /version."""
     assert_tokenizer_routes(server.http, API_KEY, tokenizer, PROMPTS[0][0], PROMPTS[3][0], prompt_ids[3])
+
+
+def test_hosting_routes(server):
+    """vLLM's /ping and SageMaker's /invocations (tests/openai_checks.py)."""
+    assert_hosting_routes(server.http, API_KEY, PROMPTS[3][0], PROMPTS[0][0], 8)
 
 
 def test_chat_template_options(server, client, tokenizer):

@@ -15,11 +15,10 @@ import time
 import uuid
 from typing import Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 from jinja2.exceptions import TemplateError
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.core import grammar
 from cluster.core.errors import InvalidRequestError
@@ -30,11 +29,12 @@ from deployments import openai_tools
 from deployments.chunks import ErrorChunk
 from deployments.config import TandemAppConfig
 from deployments.failover import FailoverMetrics, resumable_stream
+from deployments.ingress_app import app, unauthorized
+from deployments.ingress_compat import CompatRoutes
 from deployments.ingress_grpc import ERROR_STATUS, GrpcRoutes
 from deployments.openai_api import CompletionRequest, parse_request
 from deployments.openai_body import ApiError, ErrorResponse, error_response, read_body
 from deployments.openai_chat import ChatCompletionRequest
-from deployments.openai_hosting import invocation_kind
 from deployments.openai_choices import Echo, choice_params, collect, open_choices, sse
 from deployments.openai_logprobs import LogprobFormat
 from deployments.openai_responses import (
@@ -47,48 +47,18 @@ from deployments.openai_responses import (
     ModelList,
     ResponseEvent,
     ResponseObject,
-    openapi_document,
     route_docs,
 )
 from deployments.openai_response_events import ResponseBuilder, collect_response, response_events
 from deployments.openai_responses_api import ResponsesRequest
-from deployments.openai_tokenize import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-    Version,
-    detokenize,
-    tandem_version,
-    tokenize,
-)
 
 log = logging.getLogger(__name__)
-
-
-app = FastAPI(title="tandem", description="OpenAI-compatible API over lossless pipelined speculative decoding.")
-app.openapi = lambda: openapi_document(app)
-
-
-def _unauthorized():
-    return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _on_http_error(request: Request, e: StarletteHTTPException):
-    return error_response(e.status_code, str(e.detail), type_="invalid_request_error")
-
-
-@app.exception_handler(Exception)
-async def _on_server_error(request: Request, e: Exception):
-    """A bug, not the client's fault: still an OpenAI-style body (Starlette logs the traceback)."""
-    return error_response(500, f"internal error: {type(e).__name__}", type_="server_error")
 
 
 # ---- the ingress deployment -----------------------------------------------------------------------
 
 
-class IngressRoutes(GrpcRoutes):
+class IngressRoutes(GrpcRoutes, CompatRoutes):
     """The API's routes and checks, on whatever replica serves them: the `Ingress` deployment (sessions on
     the router deployment or the vLLM verifier replicas, through `router_handle`), or a vLLM verifier replica
     that is its own ingress (`deployments.vllm_serving.DirectVLLMServer`: `router_handle` calls the replica
@@ -114,8 +84,8 @@ class IngressRoutes(GrpcRoutes):
     def _authorized(self, request: Request) -> bool:
         if not self.config.api_keys:
             return True
-        header = request.headers.get("authorization", "")
-        key = header[7:] if header.lower().startswith("bearer ") else ""
+        header = request.headers.get("authorization", "")  # OpenAI's clients; Anthropic's send x-api-key
+        key = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         return any(secrets.compare_digest(key, k) for k in self.config.api_keys)
 
     def _sampling(self, prompt_ids: list[int], max_tokens: int | None, **fields) -> SamplingParams:
@@ -160,6 +130,11 @@ class IngressRoutes(GrpcRoutes):
         except (TemplateError, ValueError) as e:  # a template may refuse an order of roles, or a message to continue
             raise InvalidRequestError(f"messages: the model's chat template refused them: {e}") from None
 
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """A chat completions request's prompt ids."""
+        return self._chat_ids([m.template_message() for m in body.messages], body.tools, body.tool_mode(),
+                              body.template_options())
+
     def _run(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None):
         """The router's chunks (an error arrives as one `ErrorChunk`), resumed on another router
         replica when the one carrying the session dies; cancelled when the caller goes away."""
@@ -181,18 +156,10 @@ class IngressRoutes(GrpcRoutes):
     async def health(self):
         return {"status": "ok"}
 
-    # vLLM's routes for hosts (deployments/openai_hosting.py)
-
-    @app.get("/ping", responses={200: {"model": Health}}, operation_id="ping_get")
-    @app.post("/ping", responses={200: {"model": Health}}, operation_id="ping_post")
-    async def ping(self):
-        """The health check under SageMaker's name (vLLM's `/ping`)."""
-        return {"status": "ok"}
-
     @app.get("/v1/models", responses={200: {"model": ModelList}, 401: {"model": ErrorResponse}})
     async def list_models(self, request: Request):
         if not self._authorized(request):
-            return _unauthorized()
+            return unauthorized()
         return {"object": "list", "data": [self._model_card()]}
 
     @app.get("/v1/models/{model:path}", responses={200: {"model": ModelCard}, 401: {"model": ErrorResponse},
@@ -200,7 +167,7 @@ class IngressRoutes(GrpcRoutes):
     async def retrieve_model(self, request: Request, model: str):
         """OpenAI's retrieve (`client.models.retrieve`): the served model's card, or 404 for any other."""
         if not self._authorized(request):
-            return _unauthorized()
+            return unauthorized()
         try:
             self._check_model(model)
         except ApiError as e:
@@ -218,20 +185,6 @@ class IngressRoutes(GrpcRoutes):
     @app.post("/v1/chat/completions", **route_docs(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(self, request: Request):
         return await self.http(request, "chat")
-
-    @app.post("/invocations", **route_docs((ChatCompletionRequest, CompletionRequest),
-                                           (ChatCompletionResponse, CompletionResponse),
-                                           (ChatCompletionChunk, CompletionChunk),
-                                           "SageMaker's route (vLLM's): a chat completions body (`messages`) is "
-                                           "answered as /v1/chat/completions answers it, a completions body "
-                                           "(`prompt`) as /v1/completions."))
-    async def invocations(self, request: Request):
-        try:
-            raw = await read_body(request)
-            kind = invocation_kind(raw)
-        except ApiError as e:
-            return e.response()
-        return await self.http(request, kind, raw)
 
     @app.post("/v1/responses", **route_docs(ResponsesRequest, ResponseObject, ResponseEvent,
                                             "The response; with `stream`, OpenAI's response events."))
@@ -254,43 +207,11 @@ class IngressRoutes(GrpcRoutes):
             await chunks.aclose()
         return self._error(result) if isinstance(result, ErrorChunk) else result
 
-    # vLLM's tokenizer routes (deployments/openai_tokenize.py)
-
-    @app.post("/tokenize", **route_docs(TokenizeRequest, TokenizeResponse, None, "The prompt's tokens."))
-    async def tokenize(self, request: Request):
-        def chat_ids(messages, tools, options):
-            return self._chat_ids(messages, tools, "auto" if tools else None, options)
-
-        return await self._tokenizer_route(request, TokenizeRequest,
-                                           lambda b: tokenize(b, self.tokenizer, chat_ids, self.context_limit))
-
-    @app.post("/detokenize", **route_docs(DetokenizeRequest, DetokenizeResponse, None, "The tokens' text."))
-    async def detokenize(self, request: Request):
-        return await self._tokenizer_route(request, DetokenizeRequest,
-                                           lambda b: detokenize(b, self.tokenizer, self.vocab_size))
-
-    @app.get("/version", responses={200: {"model": Version}})
-    async def version(self):
-        return {"version": tandem_version()}
-
-    async def _tokenizer_route(self, request: Request, model: type, answer):
-        if not self._authorized(request):
-            return _unauthorized()
-        try:
-            body = parse_request(await read_body(request), model)
-            if body.model is not None:  # optional here, as in vLLM
-                self._check_model(body.model)
-            return answer(body)
-        except ApiError as e:
-            return e.response()
-        except InvalidRequestError as e:
-            return error_response(400, str(e))
-
     async def _checked(self, request: Request, model: type, prompts_of, max_tokens_of, raw: bytes | None = None):
         """(body, its prompts' ids, their params) of a valid request to a generation route (`prompts_of`: the
         body's prompts, tokenized; `raw`: the body, where the route has read it), or the error response to send."""
         if not self._authorized(request):
-            return _unauthorized()
+            return unauthorized()
         try:
             body = parse_request(raw if raw is not None else await read_body(request), model)
             self._check_model(body.model)
@@ -317,11 +238,8 @@ class IngressRoutes(GrpcRoutes):
             checked = await self._checked(request, CompletionRequest, self._completion_ids, lambda b: b.max_tokens,
                                           raw)
         else:
-            checked = await self._checked(
-                request, ChatCompletionRequest,
-                lambda b: [self._chat_ids([m.template_message() for m in b.messages], b.tools, b.tool_mode(),
-                                          b.template_options())],
-                lambda b: b.max_completion_tokens or b.max_tokens, raw)
+            checked = await self._checked(request, ChatCompletionRequest, lambda b: [self._chat_prompt(b)],
+                                          lambda b: b.max_completion_tokens or b.max_tokens, raw)
         if not isinstance(checked, tuple):
             return checked
         body, prompts, params = checked  # choice p * n + j: prompt p's choice j (vLLM's order)

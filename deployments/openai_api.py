@@ -80,6 +80,19 @@ def validation_error(e: ValidationError, reasons: dict[str, str]) -> ApiError:
     return ApiError(400, f"{field}: {message}", param=field)
 
 
+def first_bad_item(value: Any, model: type[BaseModel], noun: str = "item") -> Any:
+    """A before-validator's check of a list of `model`s: the first bad one named, with its own first problem worded
+    as `validation_error` words it (pydantic's error for a `str | list[...]` union would speak of the string)."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            try:
+                model.model_validate(item)
+            except ValidationError as e:
+                where = validation_error(e, {}).message.removeprefix("body")  # "body": the item as a whole
+                raise ValueError(f"{noun} {i}{'' if where.startswith(':') else '.'}{where}") from None
+    return value
+
+
 MAX_WARNED = 100  # distinct ignored field names logged; random names from a fuzzer must not fill logs
 _warned: set[str] = set()  # ignored field names already logged by this process
 

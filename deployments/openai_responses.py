@@ -303,11 +303,13 @@ Models = type[BaseModel] | tuple[type[BaseModel], ...]
 
 
 def route_docs(request: Models, response: Models, chunk: Models | None,
-               description: str = "The completion; with `stream`, server-sent events: one chunk each, then `[DONE]`.") -> dict:
+               description: str = "The completion; with `stream`, server-sent events: one chunk each, then `[DONE]`.",
+               error: type[BaseModel] = ErrorResponse) -> dict:
     """FastAPI route keywords that document a route whose handler reads the raw body itself (so
     that the size, depth and encoding bounds apply before parsing); `chunk`: a streamed event's body
-    (None: the route does not stream). A tuple of models: any one of them."""
-    named = [m for group in (request, chunk, response if isinstance(response, tuple) else None) if group is not None
+    (None: the route does not stream); `error`: the error body. A tuple of models: any one of them."""
+    named = [m for group in (request, chunk, response if isinstance(response, tuple) else None,
+                             error if error is not ErrorResponse else None) if group is not None
              for m in (group if isinstance(group, tuple) else (group,))]
     _DOCUMENTED_ELSEWHERE.extend(m for m in dict.fromkeys(named) if m not in _DOCUMENTED_ELSEWHERE)
     ok: dict = {"description": description}
@@ -320,11 +322,11 @@ def route_docs(request: Models, response: Models, chunk: Models | None,
         event = {"type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {"anyOf": [
             {"const": "[DONE]"},
             {"type": "string", "contentMediaType": "application/json",
-             "contentSchema": {"anyOf": [*(_ref(c) for c in chunks), _ref(ErrorResponse)]}}]}}}
+             "contentSchema": {"anyOf": [*(_ref(c) for c in chunks), _ref(error)]}}]}}}
         ok.setdefault("content", {})["text/event-stream"] = {"itemSchema": event}
     return {
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}}},
-        "responses": {200: ok, **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}},
+        "responses": {200: ok, **{status: {"model": error, "description": text} for status, text in _ERRORS.items()}},
     }
 
 

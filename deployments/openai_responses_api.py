@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from cluster.core.errors import InvalidRequestError
 from cluster.core.sampling import MAX_LOGPROBS
-from deployments.openai_api import MAX_UINT32, _Common, _Lenient, ignored, not_served, validation_error
+from deployments.openai_api import MAX_UINT32, _Common, _Lenient, first_bad_item, ignored, not_served
 from deployments.openai_structured import JsonSchemaFormat, ResponseFormat
 from deployments.openai_tools import (
     MAX_TOOLS,
@@ -149,15 +149,7 @@ class ResponsesRequest(_Common):
     @field_validator("input", mode="before")
     @classmethod
     def _items_say_what_is_wrong(cls, value: Any) -> Any:
-        """A list's first bad item named with its problem (pydantic's union error would speak of the string)."""
-        if isinstance(value, list):
-            for i, item in enumerate(value):
-                try:
-                    InputItem.model_validate(item)
-                except ValidationError as e:  # the item's own first problem, worded as the API words it
-                    where = validation_error(e, {}).message.removeprefix("body")  # "body": the item as a whole
-                    raise ValueError(f"item {i}{'' if where.startswith(':') else '.'}{where}") from None
-        return value
+        return first_bad_item(value, InputItem)
 
     def messages(self) -> list[dict]:
         """The conversation as chat messages: consecutive function calls are one assistant message's

@@ -252,7 +252,8 @@ async def stream(events: AsyncIterator[str], mode: str | None) -> AsyncIterator[
                 upto = held_from(texts[i], mode)
                 delta["content"] = texts[i][sent.get(i, 0):upto] if upto > sent.get(i, 0) else ""
                 sent[i] = max(sent.get(i, 0), upto)
-                if not delta["content"] and set(delta) == {"content"} and choice.get("logprobs") is None:
+                if not delta["content"] and set(delta) == {"content"} and choice.get("logprobs") is None \
+                        and not choice.get("token_ids"):  # nothing to send (token ids are sent as they come)
                     continue
             if choice.get("finish_reason") is not None:
                 _, calls = parse(texts.get(i, ""), mode)  # the content before a call went out already

@@ -208,4 +208,84 @@ def assert_hosting_routes(http: str, api_key: str, chat_prompt: str, prompt: str
     assert neither.status_code == 400 and "neither" in neither.json()["error"]["message"]
     bad = httpx.post(http + "/invocations", json={**chat, "temperature": -1}, headers=headers, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
-    assert httpx.post(http + "/invocations", json=chat, timeout=60).status_code == 401
+    for body in (chat, {"input": "neither"}):
+        assert httpx.post(http + "/invocations", json=body, timeout=60).status_code == 401
+
+
+def assert_anthropic_messages(http: str, api_key: str, chat_prompt: str, max_tokens: int) -> None:
+    """Anthropic's Messages API through the real `anthropic` client (its key as `x-api-key`): the same greedy text,
+    prompt and output tokens as chat completions for the same conversation, streamed (the client's stream helper)
+    and not; a stop sequence met; a named tool's call and the round trip with its result; count_tokens; refusals as
+    Anthropic's errors."""
+    import anthropic
+
+    greedy = {"temperature": 0}  # the client has no sampling arguments (Anthropic's newer models take none)
+
+    client = anthropic.Anthropic(base_url=http, api_key=api_key, max_retries=0, timeout=300)
+    chat = openai.OpenAI(base_url=http + "/v1", api_key=api_key, max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": chat_prompt}]
+    expected = chat.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *messages],
+                                            max_tokens=max_tokens, temperature=0)
+    text = expected.choices[0].message.content
+    answer = client.messages.create(model=MODEL, system="Be brief.", messages=messages, max_tokens=max_tokens,
+                                    extra_body=greedy)
+    assert [b.type for b in answer.content] == ["text"] and answer.content[0].text == text
+    assert answer.usage.input_tokens == expected.usage.prompt_tokens
+    assert answer.usage.output_tokens == expected.usage.completion_tokens
+    assert answer.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[expected.choices[0].finish_reason]
+    assert client.messages.count_tokens(model=MODEL, system="Be brief.", messages=messages).input_tokens == \
+        answer.usage.input_tokens
+    with client.messages.stream(model=MODEL, system="Be brief.", messages=messages, max_tokens=max_tokens,
+                                extra_body=greedy) as stream:
+        deltas = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(deltas) == text and len(deltas) >= 2 and [(b.type, b.text) for b in final.content] == [("text", text)]
+    assert (final.stop_reason, final.usage.output_tokens) == (answer.stop_reason, answer.usage.output_tokens)
+
+    words = text.split()
+    stop = " " + words[len(words) // 2]  # met in the greedy text: the answer ends before it
+    stopped = client.messages.create(model=MODEL, system="Be brief.", messages=messages, max_tokens=max_tokens,
+                                     extra_body=greedy, stop_sequences=["\u2603", stop])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert stopped.content[0].text == text[:text.index(stop)]
+    with client.messages.stream(model=MODEL, system="Be brief.", messages=messages, max_tokens=max_tokens,
+                                extra_body=greedy, stop_sequences=[stop]) as stream:
+        assert stream.get_final_message().stop_sequence == stop
+
+    tools = [{"name": "get_weather", "description": "The current weather in a city.",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.messages.create(model=MODEL, messages=ask, tools=tools, max_tokens=48, extra_body=greedy,
+                                    tool_choice={"type": "tool", "name": "get_weather"})
+    assert [(b.type, b.name) for b in called.content] == [("tool_use", "get_weather")]
+    assert set(called.content[0].input) == {"city"} and called.stop_reason == "tool_use"
+    with client.messages.stream(model=MODEL, messages=ask, tools=tools, max_tokens=48, extra_body=greedy,
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        assert [b.input for b in stream.get_final_message().content] == [called.content[0].input]
+    call = called.content[0]
+    back = ask + [{"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name,
+                                                     "input": call.input}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny"}]}]
+    result = client.messages.create(model=MODEL, messages=back, tools=tools, max_tokens=16, extra_body=greedy)
+    same = chat.chat.completions.create(
+        model=MODEL, max_tokens=16, temperature=0,
+        tools=[{"type": "function", "function": {"name": "get_weather", "description": tools[0]["description"],
+                                                 "parameters": tools[0]["input_schema"]}}],
+        messages=ask + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny"}])
+    assert result.usage.input_tokens == same.usage.prompt_tokens
+    if not same.choices[0].message.tool_calls:
+        assert "".join(b.text for b in result.content if b.type == "text") == same.choices[0].message.content
+
+    for fields, error, needle in [
+            ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, anthropic.BadRequestError,
+             "not served"),
+            ({"model": "nope"}, anthropic.NotFoundError, "does not exist"),
+            ({"extra_body": {"temperature": 3}}, anthropic.BadRequestError, "temperature")]:
+        with pytest.raises(error, match=needle) as info:
+            client.messages.create(**{"model": MODEL, "messages": messages, "max_tokens": 4, **fields})
+        assert info.value.body["type"] == "error", info.value.body
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=http, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, messages=messages, max_tokens=4)

@@ -20,8 +20,8 @@ from deployments.config import TandemAppConfig
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
 from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, raylet_pid, serve_app
-from tests.openai_checks import (assert_hosting_routes, assert_responses_features, assert_responses_greedy,
-                                 assert_responses_tools, assert_tokenizer_routes)
+from tests.openai_checks import (assert_anthropic_messages, assert_hosting_routes, assert_responses_features,
+                                 assert_responses_greedy, assert_responses_tools, assert_tokenizer_routes)
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_prompt_logprobs import assert_echo_and_scoring
 
@@ -628,6 +628,11 @@ def test_tokenizer_routes(server, tokenizer, prompt_ids):
 def test_hosting_routes(server):
     """vLLM's /ping and SageMaker's /invocations (tests/openai_checks.py)."""
     assert_hosting_routes(server.http, API_KEY, PROMPTS[3][0], PROMPTS[0][0], 8)
+
+
+def test_anthropic_messages(server):
+    """Anthropic's Messages API through the `anthropic` client: chat completions' greedy text (tests/openai_checks.py)."""
+    assert_anthropic_messages(server.http, API_KEY, PROMPTS[4][0], MAX_TOKENS)
 
 
 def test_chat_template_options(server, client, tokenizer):

@@ -30,8 +30,9 @@ from cluster.vllm.protocol import DrafterSpec, ProposerImport, RequestKey  # noq
 from deployments.config import TandemAppConfig  # noqa: E402
 from protos import pb, rpc  # noqa: E402
 from tests.helpers import SERVE_PROMPTS, assert_text_options, serve_app  # noqa: E402
-from tests.openai_checks import (assert_hosting_routes, assert_responses_features,  # noqa: E402
-                                 assert_responses_greedy, assert_responses_tools, assert_tokenizer_routes)
+from tests.openai_checks import (assert_anthropic_messages, assert_hosting_routes,  # noqa: E402
+                                 assert_responses_features, assert_responses_greedy, assert_responses_tools,
+                                 assert_tokenizer_routes)
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls  # noqa: E402
 from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error, _generate  # noqa: E402
 from tests.test_prompt_logprobs import assert_echo_and_scoring  # noqa: E402
@@ -385,6 +386,11 @@ def test_responses_api_on_vllm(server, client, tokenizer, prompt_ids, references
 def test_hosting_routes_on_vllm(server):
     """vLLM's /ping and SageMaker's /invocations on the vLLM application's direct ingress."""
     assert_hosting_routes(server.http, API_KEY, PROMPTS[3][0], PROMPTS[0][0], 8)
+
+
+def test_anthropic_messages_on_vllm(server):
+    """Anthropic's Messages API on the vLLM application: chat completions' greedy text and the same checks as on torch."""
+    assert_anthropic_messages(server.http, API_KEY, PROMPTS[4][0], MAX_TOKENS)
 
 
 def test_tool_calls_on_vllm(client):

@@ -11,7 +11,7 @@ from cluster.vllm.protocol import INLINE_ONLY, inline_matches
 from deployments.assembly import ingress_deployment
 from deployments.config import TandemAppConfig
 from deployments.ingress import IngressRoutes
-from deployments.ingress import app as ingress_app
+from deployments.ingress_app import app as ingress_app
 from deployments.vllm_serving import TandemLLMServer, llm_config
 
 DIRECT_MAX_ONGOING = 1024  # a direct-ingress replica takes every request; its own bound refuses the excess (503)

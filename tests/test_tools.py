@@ -161,3 +161,22 @@ def test_streamed_tool_calls_come_whole_before_the_finish():
     content, calls, finish = _run_stream(['[{"name": "get_time", ', '"parameters": {}}]'], "required")
     assert content == "" and calls[0]["function"]["name"] == "get_time" and finish == "tool_calls"
     assert _run_stream(["hello"], None) == ("hello", [], "stop")
+
+
+def test_a_streamed_choice_keeps_the_token_ids_of_held_back_text():
+    """With `return_token_ids`, each chunk's ids go out as they come, also where its text is held back (a call may
+    start there): the ids of the whole stream are the output's."""
+    pieces = [("Sure. <tool", [1, 2]), ('_call>{"name": "get_time", ', [3, 4]), ('"arguments": {}}</tool_call>', [5])]
+    events = [f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': p}, 'finish_reason': None, 'logprobs': None, 'token_ids': ids}]})}\n\n"
+              for p, ids in pieces]
+    events.append(f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop', 'token_ids': []}]})}\n\n")
+
+    async def run():
+        async def source():
+            for e in events:
+                yield e
+        return [e async for e in openai_tools.stream(source(), "auto")]
+
+    ids = [i for e in asyncio.run(run()) if e.startswith("data: {")
+           for c in json.loads(e[6:])["choices"] for i in c.get("token_ids", [])]
+    assert ids == [1, 2, 3, 4, 5]

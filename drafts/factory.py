@@ -63,7 +63,8 @@ def make_proposer(config: EngineConfig, target_model: torch.nn.Module | None, ta
         draft_model = load_draft(config.draft, target_model)
     else:
         path = models.resolve_model_path(config.draft, config.cache_dir)
-        models.check_same_tokenizer(target_tokenizer, models.load_tokenizer(path), str(path))
+        # compared only: a refused draft's tokenizer must not become this process's grammar vocabulary
+        models.check_same_tokenizer(target_tokenizer, models.load_tokenizer(path, register=False), str(path))
         draft_model = models.load_causal_lm(path, config.dtype, config.device)
     model = DraftModelProposer(TorchModelRunner(draft_model, name="draft", cuda_graphs=config.cuda_graphs,
                                                 prompt_cache_tokens=config.prompt_cache_tokens),

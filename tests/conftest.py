@@ -81,6 +81,22 @@ def pytest_xdist_make_scheduler(config, log):
     return OneAtATime(config, log)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _grammar_vocabulary_per_module():
+    """A module that loads a model of its own (a tiny target with its own tokenizer) makes that tokenizer this
+    worker's grammar vocabulary (`cluster.core.grammar`); the next module on the worker gets the one before back,
+    and no grammar compiled with the other."""
+    from cluster.core import grammar
+
+    before = (grammar._tokenizer, grammar._tokenizer_loader)
+    yield
+    if (grammar._tokenizer, grammar._tokenizer_loader) != before:
+        with grammar._lock:
+            grammar._tokenizer, grammar._tokenizer_loader = before
+            grammar._compilers.clear()
+            grammar._compiled.clear()
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     return models.prepare_default_model()

@@ -126,11 +126,14 @@ def load_causal_lm(path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16
     return model.to(device or default_device()).eval()
 
 
-def load_tokenizer(path: str | os.PathLike):
+def load_tokenizer(path: str | os.PathLike, register: bool = True):
+    """The model's tokenizer; `register`: it is this process's vocabulary for structured outputs (the target's;
+    False for a tokenizer only compared with it, such as a draft's that may be refused)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(Path(path))
-    grammar.register_tokenizer(tokenizer)  # structured outputs' vocabulary in this process
+    if register:
+        grammar.register_tokenizer(tokenizer)  # structured outputs' vocabulary in this process
     return tokenizer
 
 

@@ -125,6 +125,15 @@ def _event(kind: str, **fields) -> str:
 async def message_events(events: AsyncIterator[str], stops: list[str] | None, tokenizer,
                          input_tokens: int) -> AsyncIterator[str]:
     """Anthropic's event stream from chat's (one choice, `include_usage`, token ids where `stops`)."""
+    try:
+        async for event in _rewritten(events, stops, tokenizer, input_tokens):
+            yield event
+    finally:  # the client went away (or the stream ended): the chat stream, and its session, end now
+        await events.aclose()
+
+
+async def _rewritten(events: AsyncIterator[str], stops: list[str] | None, tokenizer,
+                     input_tokens: int) -> AsyncIterator[str]:
     started, open_block, index = False, None, -1
     finish, calls, token_ids, output_tokens = None, [], [], 0
 

@@ -343,7 +343,8 @@ _TOOL = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
     ("/v1/completions", {"prompt": COUNT, "max_tokens": 2000}),
     ("/v1/responses", {"input": COUNT, "max_output_tokens": 2000}),
     ("/v1/responses", {"input": COUNT, "max_output_tokens": 2000, "tools": _TOOL}),  # output held until the end
-], ids=["completions", "responses", "responses-with-tools"])
+    ("/v1/messages", {"messages": [{"role": "user", "content": COUNT}], "max_tokens": 2000}),
+], ids=["completions", "responses", "responses-with-tools", "anthropic-messages"])
 def test_client_disconnect_frees_the_session(server, path, body):
     body = {"model": MODEL, "temperature": 0, "stream": True, "ignore_eos": True, **body}
     with httpx.stream("POST", server.http + path, json=body, timeout=60,

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers import models as tok_models
 from transformers import PreTrainedTokenizerFast
 
+from cluster.core import grammar
 from cluster.core.config import EngineConfig
 from cluster.core.errors import ConfigError, InvalidRequestError
 from cluster.core.sampling import SamplingParams
@@ -66,8 +67,10 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path, target_fp32, tokenize
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path)
     tiny_llama(seed=0, vocab_size=5).save_pretrained(tmp_path)
     config = EngineConfig.build(proposer="draft", draft=str(tmp_path), dtype="float32")
+    vocabulary = grammar._loaded_tokenizer()
     with pytest.raises(ConfigError, match="tokenizer differs"):
         make_proposer(config, target_fp32, tokenizer)
+    assert grammar._loaded_tokenizer() is vocabulary  # the refused draft's is not the grammars' vocabulary
 
 
 def test_draft_directory_that_is_not_a_model(tmp_path, target_fp32, tokenizer):

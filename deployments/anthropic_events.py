@@ -106,6 +106,11 @@ def _blocks(content: str | None, calls: list[dict]) -> list[dict]:
     return out
 
 
+def _message_id(chat: dict) -> str:
+    """A message's id from its chat completion's (or chunk's): the same hex, Anthropic's prefix."""
+    return "msg_" + chat["id"].split("-")[-1]
+
+
 def to_message(chat: dict, stops: list[str] | None, tokenizer) -> dict:
     """A chat completion (one choice) as Anthropic's message."""
     choice = chat["choices"][0]
@@ -113,7 +118,7 @@ def to_message(chat: dict, stops: list[str] | None, tokenizer) -> dict:
     blocks = _blocks(content, calls)
     reason, sequence = stop_reason(choice["finish_reason"], any(b["type"] == "tool_use" for b in blocks),
                                    choice.get("token_ids") or [], stops, tokenizer)
-    return {"id": "msg_" + chat["id"].split("-")[-1], "type": "message", "role": "assistant", "content": blocks,
+    return {"id": _message_id(chat), "type": "message", "role": "assistant", "content": blocks,
             "model": chat["model"], "stop_reason": reason, "stop_sequence": sequence,
             "usage": {"input_tokens": chat["usage"]["prompt_tokens"], "output_tokens": chat["usage"]["completion_tokens"]}}
 
@@ -138,7 +143,7 @@ async def _rewritten(events: AsyncIterator[str], stops: list[str] | None, tokeni
     finish, calls, token_ids, output_tokens = None, [], [], 0
 
     def start(data: dict) -> str:
-        message = {"id": "msg_" + data["id"].split("-")[-1], "type": "message", "role": "assistant", "content": [],
+        message = {"id": _message_id(data), "type": "message", "role": "assistant", "content": [],
                    "model": data["model"], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
         return _event("message_start", message=message)

@@ -4,7 +4,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-UV      = UV_PYTHON=$(BIN)/python $(BIN)/uv pip
+# UV_COMPILE_BYTECODE (uv's --compile-bytecode): uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (CI, this machine)
+# nothing would: every Ray worker and replica would then compile Ray, torch, transformers, vLLM from source on import
+UV      = UV_PYTHON=$(BIN)/python UV_COMPILE_BYTECODE=1 $(BIN)/uv pip
 # uv reads no pip.conf: the local wheels pip is configured to find (this machine's CPU torch), if any
 WHEELS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 export HF_HUB_OFFLINE = 1
@@ -42,6 +44,8 @@ peer-extras: setup
 
 models: setup
 	$(BIN)/tandem models prepare
+	# tandem's own modules as .pyc too (only what changed since the last time is compiled again)
+	$(BIN)/python -m compileall -q cluster deployments drafts tools
 
 run: models
 	$(BIN)/tandem serve --config $(CONFIG)

@@ -233,12 +233,15 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
     def _completion_ids(self, body: CompletionRequest) -> list[list[int]]:
         return [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else p for p in body.prompts()]
 
-    async def http(self, request: Request, kind: Literal["completion", "chat"], raw: bytes | None = None):
+    async def http(self, request: Request, kind: Literal["completion", "chat"], raw: bytes | None = None,
+                   chat_ids: list[int] | None = None):
+        """A generation route's answer (`raw`: the body, where the route has read it; `chat_ids`: a chat body's
+        prompt ids, where the route has built them)."""
         if kind == "completion":
             checked = await self._checked(request, CompletionRequest, self._completion_ids, lambda b: b.max_tokens,
                                           raw)
         else:
-            checked = await self._checked(request, ChatCompletionRequest, lambda b: [self._chat_prompt(b)],
+            checked = await self._checked(request, ChatCompletionRequest, lambda b: [chat_ids or self._chat_prompt(b)],
                                           lambda b: b.max_completion_tokens or b.max_tokens, raw)
         if not isinstance(checked, tuple):
             return checked

@@ -78,7 +78,7 @@ class CompatRoutes:
         if not isinstance(checked, tuple):
             return checked
         body, prompt_ids = checked
-        return anthropic_answer(await self.http(request, "chat", body.chat_body()), body.stop_sequences,
+        return anthropic_answer(await self.http(request, "chat", body.chat_body(), prompt_ids), body.stop_sequences,
                                 self.tokenizer, len(prompt_ids))
 
     @app.post("/v1/messages/count_tokens", **route_docs(CountTokensRequest, CountTokens, None, "The prompt's "

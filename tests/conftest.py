@@ -81,20 +81,33 @@ def pytest_xdist_make_scheduler(config, log):
     return OneAtATime(config, log)
 
 
+_SESSION_TOKENIZER: list = []  # the default model's tokenizer, once the session fixture `tokenizer` has loaded it
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _grammar_vocabulary_per_module():
     """A module that loads a model of its own (a tiny target with its own tokenizer) makes that tokenizer this
-    worker's grammar vocabulary (`cluster.core.grammar`); the next module on the worker gets the one before back,
-    and no grammar compiled with the other."""
+    worker's grammar vocabulary (`cluster.core.grammar`); after each module the worker's vocabulary is the default
+    model's again (the session fixture `tokenizer` registered it once, in whichever module came first), and no
+    grammar compiled with another stays cached. Before the session fixture exists: the vocabulary before the
+    module."""
     from cluster.core import grammar
 
     before = (grammar._tokenizer, grammar._tokenizer_loader)
     yield
-    if (grammar._tokenizer, grammar._tokenizer_loader) != before:
-        with grammar._lock:
-            grammar._tokenizer, grammar._tokenizer_loader = before
-            grammar._compilers.clear()
-            grammar._compiled.clear()
+    current = grammar._tokenizer
+    if _SESSION_TOKENIZER:
+        want = (_SESSION_TOKENIZER[0], None)
+        if current is want[0] or (current is not None and current.get_vocab() == want[0].get_vocab()):
+            return
+    elif (current, grammar._tokenizer_loader) != before:
+        want = before
+    else:
+        return
+    with grammar._lock:
+        grammar._tokenizer, grammar._tokenizer_loader = want
+        grammar._compilers.clear()
+        grammar._compiled.clear()
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +117,9 @@ def model_dir():
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    return models.load_tokenizer(model_dir)
+    loaded = models.load_tokenizer(model_dir)  # registered: this worker's grammar vocabulary
+    _SESSION_TOKENIZER.append(loaded)
+    return loaded
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ CONFIG ?= ray_config.yaml
 
 .PHONY: setup models run generate test bench peer-extras clean
 
-$(BIN)/tandem: pyproject.toml
+$(BIN)/tandem: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# uv installs what pip would (the same requirements, newest allowed releases), in ~15 s where pip took ~90 s
 	$(BIN)/pip install --quiet uv==0.13.9

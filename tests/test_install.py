@@ -27,4 +27,5 @@ def _cached(module: str) -> bool:
 @pytest.mark.parametrize("module", HEAVY)
 def test_installed_packages_come_with_bytecode(module):
     assert Path(sys.prefix) != Path(sys.base_prefix), "the tests run in the venv `make setup` builds"
-    assert _cached(module), f"{module} has no .pyc beside it: install with uv's --compile-bytecode (Makefile)"
+    assert _cached(module), (f"{module} has no .pyc beside it: this venv was made without bytecode (`make clean "
+                             "setup` makes it again; the Makefile installs with UV_COMPILE_BYTECODE)")

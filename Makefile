@@ -4,8 +4,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-# UV_COMPILE_BYTECODE (uv's --compile-bytecode): uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (CI, this machine)
-# nothing would: every Ray worker and replica would then compile Ray, torch, transformers, vLLM from source on import
+# UV_COMPILE_BYTECODE (uv's --compile-bytecode): uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE
+# is set (CI, this machine) nothing would: every Ray worker and Serve replica would then compile Ray, torch,
+# transformers and vLLM from source on import (tests/test_install.py)
 UV      = UV_PYTHON=$(BIN)/python UV_COMPILE_BYTECODE=1 $(BIN)/uv pip
 # uv reads no pip.conf: the local wheels pip is configured to find (this machine's CPU torch), if any
 WHEELS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)

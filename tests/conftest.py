@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cluster
+from cluster.core import grammar
 from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.model import models
 from cluster.model.runner import TorchModelRunner
@@ -88,26 +89,11 @@ _SESSION_TOKENIZER: list = []  # the default model's tokenizer, once the session
 def _grammar_vocabulary_per_module():
     """A module that loads a model of its own (a tiny target with its own tokenizer) makes that tokenizer this
     worker's grammar vocabulary (`cluster.core.grammar`); after each module the worker's vocabulary is the default
-    model's again (the session fixture `tokenizer` registered it once, in whichever module came first), and no
-    grammar compiled with another stays cached. Before the session fixture exists: the vocabulary before the
-    module."""
-    from cluster.core import grammar
-
-    before = (grammar._tokenizer, grammar._tokenizer_loader)
+    model's again, once the session fixture `tokenizer` has loaded it (registering it drops grammars compiled for
+    another vocabulary)."""
     yield
-    current = grammar._tokenizer
     if _SESSION_TOKENIZER:
-        want = (_SESSION_TOKENIZER[0], None)
-        if current is want[0] or (current is not None and current.get_vocab() == want[0].get_vocab()):
-            return
-    elif (current, grammar._tokenizer_loader) != before:
-        want = before
-    else:
-        return
-    with grammar._lock:
-        grammar._tokenizer, grammar._tokenizer_loader = want
-        grammar._compilers.clear()
-        grammar._compiled.clear()
+        grammar.register_tokenizer(_SESSION_TOKENIZER[0])
 
 
 @pytest.fixture(scope="session")

@@ -237,3 +237,24 @@ def test_a_process_without_a_tokenizer_says_so(monkeypatch):
     monkeypatch.setattr(grammar, "_compiled", OrderedDict())
     with pytest.raises(grammar.NoTokenizer, match="no tokenizer registered"):
         grammar.valid_prefix(StructuredOutputs.of_choice(["a"]), [], [1, 2])
+
+
+def test_a_tokenizer_of_another_vocabulary_drops_the_grammars_compiled_before(monkeypatch, tokenizer, model_dir):
+    """Compiled grammars are cached by vocabulary size alone: registering a tokenizer of another vocabulary (a
+    process that loads another model's) drops them; the same vocabulary loaded again keeps them."""
+    from collections import OrderedDict
+
+    from cluster.model import models
+
+    monkeypatch.setattr(grammar, "_tokenizer", tokenizer)
+    monkeypatch.setattr(grammar, "_compilers", {})
+    monkeypatch.setattr(grammar, "_compiled", OrderedDict())
+    so = StructuredOutputs.of_choice(["yes", "no"])
+    compiled = grammar.compile_grammar(so, VOCAB)
+    models.load_tokenizer(model_dir)  # the same vocabulary, another object
+    assert grammar.compile_grammar(so, VOCAB) is compiled
+    other = models.load_tokenizer(model_dir, register=False)
+    other.add_tokens(["<another-vocabulary>"])
+    grammar.register_tokenizer(other)
+    assert not grammar._compiled and not grammar._compilers
+    assert grammar.compile_grammar(so, VOCAB) is not compiled

@@ -82,10 +82,15 @@ _compiled: OrderedDict[tuple[StructuredOutputs, int], object] = OrderedDict()
 
 
 def register_tokenizer(tokenizer=None, loader: Callable[[], object] | None = None) -> None:
-    """The tokenizer of this process's models (all share the target's); `loader` loads it when first needed."""
+    """The tokenizer of this process's models (all share the target's); `loader` loads it when first needed. A
+    tokenizer of another vocabulary than the one registered before drops the grammars compiled for that one."""
     global _tokenizer, _tokenizer_loader
     with _lock:
         if tokenizer is not None:
+            if _tokenizer is not None and tokenizer is not _tokenizer and \
+                    tokenizer.get_vocab() != _tokenizer.get_vocab():
+                _compilers.clear()
+                _compiled.clear()
             _tokenizer = tokenizer
         elif loader is not None and _tokenizer is None:
             _tokenizer_loader = loader

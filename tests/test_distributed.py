@@ -114,8 +114,9 @@ def test_sequential_greedy_equality_without_overlap(ray_local, prompt_ids, refer
     cluster = start(ray_local, pipeline_depth=1, engine=dict(tree_width=2))
     try:
         timelines: list = []
-        # code, prose and chat (all eight are the pipelined test's; the trees' exactness on twelve prompts in one
-        # process, seven prompts, is test_greedy_equality's): what this test adds is tree rounds over gRPC and the sequential timeline
+        # code, prose and chat (all eight go through the pipelined test's cluster; the trees' exactness in one
+        # process, seven prompts, is test_greedy_equality's): this one adds tree rounds over gRPC and the sequential
+        # timeline
         _check_all(cluster, [prompt_ids[i] for i in (0, 2, 4, 6)], references, timelines)
         assert _overlaps(timelines) == 0, "depth 1 drafts only after the previous verification"
         metrics = cluster.router.metrics

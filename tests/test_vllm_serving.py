@@ -591,13 +591,20 @@ def test_echo_and_prompt_logprobs_are_vllms(client, tokenizer, target_fp32):
     assert_echo_and_scoring(client, MODEL, tokenizer, target_fp32, tol=2e-3)
 
 
-def test_eagle3_route_serves_the_targets_tokens(server, target_fp32, prompt_ids, references, tmp_path):
+def test_eagle3_route_with_the_ingress_apart_serves_the_targets_tokens(server, target_fp32, tokenizer, prompt_ids,
+                                                                       references, tmp_path):
     """Proposer 'eagle3' (backend vllm): vLLM's own EAGLE-3 method runs a draft `export_vllm` wrote inside its
     step, through tandem's replicas, with no drafter, and tandem's priced matches drafted in its proposer
     (`eagle3_matches`, the default: `cluster.vllm.eagle_matches`). The draft here is untrained: the route and
     losslessness are checked, not α. A request's draft cap holds (`num_speculative_tokens` 0: no drafts, 1: at most
     one a step); the replica counts both kinds of rows. A directory that is no EAGLE-3 export, on either backend, is
-    a clear config error."""
+    a clear config error.
+
+    This second application also has its ingress apart from the verifier replicas (`vllm.direct_ingress: false`;
+    the module's own application has replicas that are their own ingress): the `Ingress` deployment validates,
+    tokenizes and writes the OpenAI and gRPC responses and drives each session on a verifier replica through a
+    Serve handle (the route where a replica's death is survived: the ingress resumes the stream on a live
+    replica). Completions, a streamed chat and gRPC through Serve's proxy serve the target's tokens on it."""
     import torch
     from ray import serve
 
@@ -612,16 +619,31 @@ def test_eagle3_route_serves_the_targets_tokens(server, target_fp32, prompt_ids,
     out = export_vllm(Eagle3Draft(target_fp32, torch.arange(4096)), tmp_path / "eagle3")
     serve.run(build_app({"engine": {"backend": "vllm", "dtype": "float32", "proposer": "eagle3", "draft": str(out),
                                     "num_speculative_tokens": 3, "threads": 1},
-                         "api_keys": [API_KEY], "vllm": {"kv_cache_space_gib": 1, "compile": False}}),
+                         "api_keys": [API_KEY],
+                         "vllm": {"kv_cache_space_gib": 1, "compile": False, "direct_ingress": False}}),
               name="e3", route_prefix="/e3")
     try:
+        assert set(serve.status().applications["e3"].deployments) == {"Ingress", VERIFIER}
         e3 = openai.OpenAI(base_url=server.http + "/e3/v1", api_key=API_KEY, max_retries=0, timeout=300)
         for i in (0, 2):
             r = e3.completions.create(model=MODEL, prompt=PROMPTS[i][0], max_tokens=MAX_TOKENS, temperature=0,
                                       extra_body={"return_token_ids": True})
             assert r.choices[0].model_extra["token_ids"] == _ref(references, prompt_ids, i), i
+            assert r.choices[0].text == tokenizer.decode(_ref(references, prompt_ids, i), skip_special_tokens=True)
             spec = r.model_extra["speculation"]  # vLLM's per-request figures for its drafts
             assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"], spec
+        chat = next(i for i, (_, is_chat) in enumerate(PROMPTS) if is_chat)
+        stream = e3.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[chat][0]}],
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True})
+        ids = [t for chunk in stream for choice in chunk.choices for t in choice.model_extra.get("token_ids") or []]
+        assert ids == _ref(references, prompt_ids, chat)
+        with grpc.insecure_channel(server.grpc) as channel:  # Serve's proxy to the ingress deployment
+            replies = list(rpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(model=MODEL, prompt=PROMPTS[1][0], params=pb.SamplingParams(max_tokens=MAX_TOKENS)),
+                metadata=(("application", "e3"),), timeout=300))
+        assert [t for reply in replies for t in reply.token_ids] == _ref(references, prompt_ids, 1)
+        assert replies[-1].finish_reason == "length" and replies[-1].completion_tokens == MAX_TOKENS
         for cap in (0, 1):
             r = e3.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
                                       extra_body={"return_token_ids": True, "num_speculative_tokens": cap})

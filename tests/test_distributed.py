@@ -56,13 +56,21 @@ def pipelined(ray_local):
     cluster.shutdown()
 
 
-def _check_all(cluster, prompt_ids, references, timelines=None):
+# code (twice), prose and chat: the prompts of the cluster tests that need not decode all eight
+FOUR_PROMPTS = (0, 2, 4, 6)
+
+
+def _check_all(cluster, prompt_ids, references, timelines=None) -> list:
+    """Each prompt's greedy output through the cluster equals the reference; the results."""
+    results = []
     for ids in prompt_ids:
         timeline = [] if timelines is not None else None
         result = cluster.generate(ids, SamplingParams(max_tokens=MAX_TOKENS), timeline)
         assert result.token_ids == references[tuple(ids)], f"diverged on {ids[:6]}..."
+        results.append(result)
         if timelines is not None:
             timelines.append(timeline)
+    return results
 
 
 def _overlaps(timelines) -> int:
@@ -117,7 +125,7 @@ def test_sequential_greedy_equality_without_overlap(ray_local, prompt_ids, refer
         # code, prose and chat (all eight go through the pipelined test's cluster; the trees' exactness in one
         # process, seven prompts, is test_greedy_equality's): this one adds tree rounds over gRPC and the sequential
         # timeline
-        _check_all(cluster, [prompt_ids[i] for i in (0, 2, 4, 6)], references, timelines)
+        _check_all(cluster, [prompt_ids[i] for i in FOUR_PROMPTS], references, timelines)
         assert _overlaps(timelines) == 0, "depth 1 drafts only after the previous verification"
         metrics = cluster.router.metrics
         assert metrics.tree_rounds > 0.8 * metrics.rounds  # all but the plain last steps
@@ -176,9 +184,7 @@ def test_ngram_pipelined_greedy_equality(ray_local, prompt_ids, references):
     try:
         # two code prompts (where n-grams match most), prose and chat; all eight go through the pipelined test's
         # cluster with the draft, and n-grams' exactness in one process (six prompts) is test_greedy_equality's
-        results = [cluster.generate(prompt_ids[i], SamplingParams(max_tokens=MAX_TOKENS)) for i in (0, 2, 4, 6)]
-        for i, result in zip((0, 2, 4, 6), results):
-            assert result.token_ids == references[tuple(prompt_ids[i])], f"diverged on prompt {i}"
+        results = _check_all(cluster, [prompt_ids[i] for i in FOUR_PROMPTS], references)
         drafted, accepted = sum(r.stats.drafted for r in results), sum(r.stats.accepted for r in results)
         assert 0 < accepted < drafted  # both the accept and the reject paths ran over the wire
     finally:

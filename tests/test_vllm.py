@@ -345,6 +345,23 @@ def test_cli_generate_json_through_vllm(spec, prompts, reference, monkeypatch, c
 # -- sampled speculative decoding: the distribution ----------------------------------------------------------------
 
 
+# before a sampled test's 29-token prompt (SmolLM2's tokenizer): 134 tokens (_shared_prompt)
+SHARED_PREFIX = ("Notes from a weekly meeting of a small town's library committee. The committee met on Tuesday "
+                 "evening in the reading room. The treasurer reported that the roof repairs had cost less than "
+                 "expected, and that the money left over would go towards new shelves for the children's section. "
+                 "The head librarian asked for volunteers to help with the book sale in the spring, and four members "
+                 "raised their hands. The opening hours on Saturdays were left for the next meeting, as the hour was "
+                 "late and several members had already gone home. ")
+
+
+def _shared_prompt(tokenizer, text: str) -> list[int]:
+    """SHARED_PREFIX + `text`: a prompt one full KV block long (128 tokens on CPU) and a few tokens more. vLLM's
+    prefix cache keeps full blocks once computed, so the first of a test's n samples prefills the block and each of
+    the others only the tokens after it. Without it every sample prefills the whole prompt: 500 samples of a
+    29-token prompt took 47 s here, of this 134-token one 18.5 s."""
+    return encode_prompt(tokenizer, SHARED_PREFIX + text, False)
+
+
 def _sample_pairs(engine: VLLMEngine, prompt: list[int], n: int, top_k: int) -> list[tuple[int, int]]:
     params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, seed=1000 + i, ignore_eos=True)
               for i in range(n)]
@@ -415,8 +432,8 @@ def test_sampled_inline_lookup_has_the_target_distribution(spec, path, proposer)
     first tokens are in the prompt's list, each followed there by a comma): chi-square of tokens 1 and 2
     against transformers' fp32 p(t1)·p(t2|t1)."""
     tokenizer = models.load_tokenizer(path)
-    prompt = encode_prompt(tokenizer, "Colours: red, blue, green, yellow, purple, orange, black, white, pink, "
-                                      "grey, brown. My favourite colour is", False)
+    prompt = _shared_prompt(tokenizer, "Colours: red, blue, green, yellow, purple, orange, black, white, pink, grey, "
+                                       "brown. My favourite colour is")
     top_k, n = 6, 500
     expected, _ = _expected_pairs(path, prompt, top_k)
     drafts = drafter_spec(EngineConfig(proposer=proposer, num_speculative_tokens=1)).tuned(wait_s=5.0)
@@ -722,6 +739,8 @@ def test_eagle3_with_tandems_matches_is_lossless(path, prompts, reference, tmp_p
     out = export_vllm(Eagle3Draft(target, torch.arange(4096)), tmp_path / "eagle3")
     del target
     tokenizer = models.load_tokenizer(path)
+    # no SHARED_PREFIX (_shared_prompt): with EAGLE-3, vLLM's prefix cache gives back all but a prompt's last cached
+    # block (EAGLE-3 recomputes its hidden states), so each of the samples would prefill 128 tokens or more
     prompt = encode_prompt(tokenizer, "Colours: red, blue, green, yellow, purple. Colours: red, blue, green, yellow, "
                                       "purple. Colours:", False)
     top_k, n = 6, 400

@@ -41,6 +41,9 @@ LONGEST_FIRST = ("test_greedy_equality", "test_vllm", "test_distributed", "test_
 # Modules that start vLLM engines (each a Ray cluster, an engine core and its KV cache, GBs of memory): never two
 # at once on the two workers. A CI run lost a vLLM verifier replica while both ran beside each other's load.
 ONE_AT_A_TIME = ("test_vllm", "test_vllm_serving")
+# Packages whose modules share a package-scoped fixture (one Serve application): one unit of work, on one worker,
+# their modules in LONGEST_FIRST order (tests/serving/__init__.py)
+SHARED_PACKAGES = ("tests/serving",)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -50,9 +53,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (one module per worker at a time, in LONGEST_FIRST order), except that a worker
-    never starts a module of ONE_AT_A_TIME while another worker has one unfinished: it takes the next module
-    that is not, or waits for it to finish."""
+    """`--dist loadfile` (one module per worker at a time, in LONGEST_FIRST order; a package of SHARED_PACKAGES
+    counts as one module), except that a worker never starts a module of ONE_AT_A_TIME while another worker has
+    one unfinished: it takes the next module that is not, or waits for it to finish."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -61,6 +64,10 @@ def pytest_xdist_make_scheduler(config, log):
         return scope.rsplit("/", 1)[-1].removesuffix(".py") in ONE_AT_A_TIME
 
     class OneAtATime(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return next((package for package in SHARED_PACKAGES if path.startswith(package + "/")), path)
+
         def _held_elsewhere(self, node) -> bool:
             return any(exclusive(scope) and not all(done.values())
                        for other, work in self.assigned_work.items() if other is not node

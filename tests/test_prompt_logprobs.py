@@ -2,7 +2,7 @@
 target's (fp32 transformers' log-softmax at the position before it), computed as the verifier prefills the
 prompt; asking for them changes no generated token and keeps speculation on; they cross the verifier's gRPC
 port and the OpenAI shapes are vLLM's. The served HTTP checks (`assert_echo_and_scoring`) run against the
-module-scoped Serve application of tests/test_serving.py (no extra application is started here)."""
+package-scoped Serve application of tests/serving/test_serving.py (no extra application is started here)."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_openai_prompt_shapes(tokenizer):
     assert echoed["text_offset"] == [0, len(fmt.token(ids[0])), len(fmt.token(ids[0])) + len(fmt.token(ids[1]))]
 
 
-# ---- through a served application (called by tests/test_serving.py with its server) --------------------
+# ---- through a served application (called by tests/serving/test_serving.py with its server) --------------------
 
 
 def _rank_bounds(row: torch.Tensor, token: int, tol: float) -> tuple[int, int]:

@@ -16,39 +16,25 @@ import httpx
 import openai
 import pytest
 import ray
-import yaml
 
 from cluster.core.sampling import SamplingParams
 from deployments.chunks import SessionProgress, TokensChunk
-from deployments.serving import DEFAULT_CONFIG
 from protos import pb, rpc
-from tests.helpers import SERVE_PROMPTS, serve_app
+from tests.helpers import SERVE_PROMPTS
+from tests.serving import API_KEY, MAX_RESUMES, MODEL
 
-MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 48
 PROMPTS = SERVE_PROMPTS + [
     ("def is_prime(n):\n", False),
     ("Explain what a hash table is.", True),
     ("import os\n\ndef list_files(path):\n", False),
 ]
-MAX_RESUMES = 1
-HEALTH_CHECK_PERIOD_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def server():
-    # Serve checks each replica every 2 s (the default is 10): a killed replica is replaced that much sooner
-    args = yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["args"]
-    checks = {part: {**args[part], "health_check_period_s": HEALTH_CHECK_PERIOD_S}
-              for part in ("ingress", "router", "drafter", "verifier")}
-    with serve_app(engine={"dtype": "float32", "proposer": "draft", "num_speculative_tokens": 3, "threads": 1},
-                   failover={"max_resumes": MAX_RESUMES, "resume_delay_s": 0.2}, **checks) as endpoints:
-        yield endpoints
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=server.http + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 def _replica(prefix: str):
@@ -226,11 +212,11 @@ def test_no_session_leaks_after_disconnects_and_timeouts(server):
         timeout = httpx.Timeout(300, read=0.3 + rng.random()) if "timeout" in how else 300
         try:
             if how == "plain-timeout":
-                httpx.post(server.http + "/v1/completions", json=body, timeout=timeout)
+                httpx.post(server.http + "/v1/completions", json=body, headers=AUTH, timeout=timeout)
                 return "finished"
             small = {**body, "max_tokens": 8} if how == "complete" else body
             with httpx.stream("POST", server.http + "/v1/completions", json={**small, "stream": True},
-                              timeout=timeout) as r:
+                              headers=AUTH, timeout=timeout) as r:
                 for n, _ in enumerate(r.iter_lines()):
                     if how == "stream" and n >= lines:
                         return "disconnected"
@@ -411,7 +397,7 @@ def test_greedy_is_repeatable_alone_and_in_a_batch(server, client):
 
 
 def test_health_check_period_reaches_each_deployment():
-    """`health_check_period_s` per deployment goes to Serve's options (the server above sets 2 s for all four);
+    """`health_check_period_s` per deployment goes to Serve's options (the package's server, tests/serving/conftest.py, sets 2 s for all four);
     Serve's own 10 s where it is not set."""
     from deployments.assembly import deployment_options, router_options
     from deployments.config import TandemAppConfig

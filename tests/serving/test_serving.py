@@ -19,26 +19,16 @@ from cluster.core.errors import ConfigError
 from deployments.config import TandemAppConfig
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
-from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, raylet_pid, serve_app
+from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, raylet_pid
 from tests.openai_checks import (assert_anthropic_messages, assert_hosting_routes, assert_responses_features,
                                  assert_responses_greedy, assert_responses_tools, assert_tokenizer_routes)
+from tests.serving import API_KEY, MODEL
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_prompt_logprobs import assert_echo_and_scoring
 
-MODEL = "SmolLM2-135M-Instruct"
-API_KEY = "test-key"
 MAX_TOKENS = 24
 PROMPTS = SERVE_PROMPTS
 METADATA = (("application", "tandem"),)
-
-
-@pytest.fixture(scope="module")
-def server():
-    # γ pinned (the policy has its own tests): under load the adaptive policy may rightly choose plain
-    # decoding for a whole short request, and these tests assert that speculation figures travel
-    with serve_app(engine={"dtype": "float32", "proposer": "draft", "num_speculative_tokens": 3, "threads": 1},
-                   api_keys=[API_KEY], speculation={"adaptive": False}) as endpoints:
-        yield endpoints
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,8 @@
+"""The Serve application's tests that share one application (tests/serving/conftest.py's `server`): the API
+surface (test_serving) first, then failover (test_failover), whose kills come last. `make test` runs the package
+on one worker as one unit (tests/conftest.py, SHARED_PACKAGES)."""
+
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "test-key"
+MAX_RESUMES = 1  # a stream is resumed once at most (test_failover's router dying on every attempt)
+HEALTH_CHECK_PERIOD_S = 2.0  # Serve checks each replica every 2 s (its default is 10): a killed one is replaced sooner

@@ -144,7 +144,7 @@ class TandemAppConfig(LoopConfig):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Target ranks per verifier replica (one STRICT_PACK placement group).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out.")
     max_tokens_limit: int | None = Field(None, ge=1, description="Refuse requests asking for more tokens (None: only the context length limits).")
-    api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty: no authentication.")
+    api_keys: list[str] = Field(default_factory=list, description="Accepted keys: HTTP `Authorization: Bearer KEY` or `x-api-key: KEY`, gRPC metadata of the same names; empty: no authentication.")
     failover: FailoverConfig = Field(default_factory=FailoverConfig, description="Resuming streams whose router replica died.")
     request_timeout_s: float | None = Field(None, gt=0, description="Optional per-request deadline: a request still running after this long ends with HTTP 504 / gRPC DEADLINE_EXCEEDED (an error event once streaming).")
     retry_after_s: int = Field(1, ge=0, description="The Retry-After a refused (overloaded) request is given.")

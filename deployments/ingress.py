@@ -82,10 +82,14 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
     # -- shared checks ---------------------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
+        return self._key_accepted(request.headers.get("authorization", ""), request.headers.get("x-api-key", ""))
+
+    def _key_accepted(self, authorization: str, x_api_key: str) -> bool:
+        """Whether `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's) carries one of
+        `api_keys` (HTTP headers, or gRPC metadata of the same names); any request when none is configured."""
         if not self.config.api_keys:
             return True
-        header = request.headers.get("authorization", "")  # OpenAI's clients; Anthropic's send x-api-key
-        key = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        key = authorization[7:] if authorization.lower().startswith("bearer ") else x_api_key
         return any(secrets.compare_digest(key, k) for k in self.config.api_keys)
 
     def _sampling(self, prompt_ids: list[int], max_tokens: int | None, **fields) -> SamplingParams:

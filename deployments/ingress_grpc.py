@@ -1,6 +1,8 @@
 """The public gRPC `Generation` service of the ingress (through Serve's gRPC proxy): `Generate` and the health
 `Check`, as methods of the ingress replica (`deployments/ingress.py`'s `IngressRoutes` takes them from
-`GrpcRoutes`). A bad request is INVALID_ARGUMENT, before a stream starts; an error after the start carries the
+`GrpcRoutes`). Where `api_keys` are set, `Generate` wants one in the metadata as HTTP wants it in the headers
+(`authorization: Bearer KEY` or `x-api-key: KEY`), or answers UNAUTHENTICATED; the health `Check` is open, as
+`/health` is. A bad request is INVALID_ARGUMENT, before a stream starts; an error after the start carries the
 code of its kind (`ERROR_STATUS`)."""
 
 import asyncio
@@ -19,6 +21,8 @@ ERROR_STATUS = {"invalid_request_error": (400, grpc.StatusCode.INVALID_ARGUMENT)
                 "overloaded": (503, grpc.StatusCode.RESOURCE_EXHAUSTED),
                 "timeout": (504, grpc.StatusCode.DEADLINE_EXCEEDED)}
 
+UNAUTHENTICATED = "invalid or missing API key (metadata authorization: Bearer ..., or x-api-key)"
+
 # chat roles a gRPC ChatMessage may carry -> the role the chat template sees
 GRPC_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -28,6 +32,12 @@ class GrpcRoutes:
     `IngressRoutes`'."""
 
     async def Generate(self, request, grpc_context=None):
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        if not self._key_accepted(metadata.get("authorization", ""), metadata.get("x-api-key", "")):
+            # the HTTP routes' 401: api_keys gate gRPC as they gate HTTP
+            grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            grpc_context.set_details(UNAUTHENTICATED)
+            raise PermissionError(UNAUTHENTICATED)  # Serve's proxy answers with the code set above
         try:
             if isinstance(request, UnreadableRequest):  # protos.read_generate_request could not read it
                 raise InvalidRequestError(request.reason)

@@ -99,7 +99,7 @@ def test_cli_errors_are_one_line_and_exit_non_zero(args, message):
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
-METADATA = (("application", "tandem"),)
+METADATA = (("application", "tandem"), ("authorization", f"Bearer {API_KEY}"))  # the app has api_keys
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 

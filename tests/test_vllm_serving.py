@@ -42,7 +42,7 @@ MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
 MAX_TOKENS = 24
 PROMPTS = SERVE_PROMPTS
-METADATA = (("application", "tandem"),)
+METADATA = (("application", "tandem"), ("authorization", f"Bearer {API_KEY}"))  # the app has api_keys
 VERIFIER = f"Verifier:{MODEL}"
 _INT8 = drafter_spec(EngineConfig(dtype="float32"))  # the in-worker int8 drafter of tests/test_vllm.py
 
@@ -641,7 +641,7 @@ def test_eagle3_route_with_the_ingress_apart_serves_the_targets_tokens(server, t
         with grpc.insecure_channel(server.grpc) as channel:  # Serve's proxy to the ingress deployment
             replies = list(rpc.GenerationStub(channel).Generate(
                 pb.GenerateRequest(model=MODEL, prompt=PROMPTS[1][0], params=pb.SamplingParams(max_tokens=MAX_TOKENS)),
-                metadata=(("application", "e3"),), timeout=300))
+                metadata=(("application", "e3"), METADATA[1]), timeout=300))
         assert [t for reply in replies for t in reply.token_ids] == _ref(references, prompt_ids, 1)
         assert replies[-1].finish_reason == "length" and replies[-1].completion_tokens == MAX_TOKENS
         for cap in (0, 1):

@@ -30,6 +30,7 @@ PROMPTS = SERVE_PROMPTS + [
     ("import os\n\ndef list_files(path):\n", False),
 ]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+METADATA = (("application", "tandem"), ("authorization", f"Bearer {API_KEY}"))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def _grpc_stream(server, prompt: str, chat: bool, on_chunk, max_tokens: int) -> 
     else:
         request = pb.GenerateRequest(model=MODEL, prompt=prompt, params=pb.SamplingParams(max_tokens=max_tokens))
     ids, text, completion = [], "", 0
-    for response in rpc.GenerationStub(channel).Generate(request, metadata=(("application", "tandem"),), timeout=600):
+    for response in rpc.GenerationStub(channel).Generate(request, metadata=METADATA, timeout=600):
         ids += response.token_ids
         text += response.text
         completion = response.completion_tokens or completion
@@ -363,7 +364,7 @@ def test_router_dying_on_every_attempt_gives_an_error_event(server, client):
         request = pb.GenerateRequest(model=MODEL, prompt=PROMPTS[2][0],
                                      params=pb.SamplingParams(max_tokens=4000, ignore_eos=True))
         with pytest.raises(grpc.RpcError) as rpc_info:
-            for _ in stub.Generate(request, metadata=(("application", "tandem"),), timeout=600):
+            for _ in stub.Generate(request, metadata=METADATA, timeout=600):
                 pass
         assert rpc_info.value.code() == grpc.StatusCode.UNAVAILABLE, rpc_info.value.details()
     finally:

@@ -28,7 +28,7 @@ from tests.test_prompt_logprobs import assert_echo_and_scoring
 
 MAX_TOKENS = 24
 PROMPTS = SERVE_PROMPTS
-METADATA = (("application", "tandem"),)
+METADATA = (("application", "tandem"), ("authorization", f"Bearer {API_KEY}"))  # the app has api_keys
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +285,18 @@ def test_grpc_generate_health_reflection(server, tokenizer, prompt_ids, referenc
         assert "".join(r.text for r in responses) == tokenizer.decode(ref, skip_special_tokens=True)
         assert responses[-1].finish_reason in ("stop", "length") and responses[-1].completion_tokens == len(ref)
         assert responses[-1].stats.drafted > 0
-    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), metadata=METADATA, timeout=30)
+    # the app's api_keys gate Generate as they gate HTTP: a missing or wrong key is UNAUTHENTICATED; the key goes in
+    # `authorization: Bearer KEY` (as sent above) or `x-api-key`; the health check is open, as /health is
+    small = pb.GenerateRequest(model=MODEL, prompt=PROMPTS[0][0], params=pb.SamplingParams(max_tokens=2))
+    for metadata in (METADATA[:1], (METADATA[0], ("authorization", "Bearer wrong")), (METADATA[0], ("x-api-key", ""))):
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(small, metadata=metadata, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+        assert "API key" in refused.value.details()
+    replies = list(stub.Generate(small, metadata=(METADATA[0], ("x-api-key", API_KEY)), timeout=60))
+    assert [t for r in replies for t in r.token_ids] == _ref(references, prompt_ids, 0)[:2]
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), metadata=METADATA[:1],
+                                                       timeout=30)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
     answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),

@@ -574,7 +574,10 @@ def test_logprobs_are_vllms_raw_ones(server, client, tokenizer, target_fp32, pro
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                             logprobs=True, top_logprobs=3, stream=True)
     streamed = [e for chunk in stream for choice in chunk.choices if choice.logprobs for e in choice.logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+    # the same tokens; each logprob the same up to the last bits: vLLM's fp32 logits differ in them when a step
+    # verifies another number of drafts (the drafter's timing picks it; a run saw -0.5655965 against -0.5655933)
+    assert [e.token for e in streamed] == [c.token for c in content]
+    assert all(abs(e.logprob - c.logprob) < 1e-4 for e, c in zip(streamed, content))
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=8, temperature=0, logprobs=1)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens

@@ -153,6 +153,39 @@ def _cluster_processes() -> dict[int, int | None]:
     return {pid: reaper.start_time(pid) for pid in reaper.descendants(raylet_pid())}
 
 
+def stream_and_kill(client, model: str, prompt: str, max_tokens: int, kill) -> list[int]:
+    """Stream a greedy completion; call `kill` once the first tokens arrived; return all token ids."""
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True, extra_body={"return_token_ids": True})
+    ids, killed = [], False
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids += choice.model_extra.get("token_ids") or []
+        if ids and not killed:
+            kill()
+            killed = True
+    assert killed
+    return ids
+
+
+def assert_stop_string(client, model: str, prompt: str, ref_text: str, max_tokens: int) -> None:
+    """A stop string ("recursive", in `ref_text`: the greedy text of `prompt`) through a served completions
+    endpoint, streamed and not: the text up to it, finish reason `stop`."""
+    stop = "recursive"
+    assert stop in ref_text
+    for stream in (False, True):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stop=[stop],
+                                      stream=stream)
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            text, finish = r.choices[0].text, [r.choices[0].finish_reason]
+        assert text == ref_text[: ref_text.index(stop)]
+        assert finish == ["stop"]
+
+
 def assert_text_options(client, model: str, tokenizer, prompt: str, ref_text: str, max_tokens: int) -> None:
     """`include_stop_str_in_output` and `skip_special_tokens` through a served completions endpoint, streamed
     and not, as vLLM writes the text: the stop string kept; special tokens' text written, an ending EOS's

@@ -29,7 +29,8 @@ from cluster.vllm.engine import drafter_spec  # noqa: E402
 from cluster.vllm.protocol import DrafterSpec, ProposerImport, RequestKey  # noqa: E402
 from deployments.config import TandemAppConfig  # noqa: E402
 from protos import pb, rpc  # noqa: E402
-from tests.helpers import SERVE_PROMPTS, assert_text_options, serve_app  # noqa: E402
+from tests.helpers import (SERVE_PROMPTS, assert_stop_string, assert_text_options, serve_app,  # noqa: E402
+                           stream_and_kill)
 from tests.openai_checks import (assert_anthropic_messages, assert_hosting_routes,  # noqa: E402
                                  assert_responses_features, assert_responses_greedy, assert_responses_tools,
                                  assert_tokenizer_routes)
@@ -281,13 +282,7 @@ def test_per_request_plain_decoding_and_cap(client, prompt_ids, references):
 
 def test_stop_strings_and_grpc(server, client, tokenizer, prompt_ids, references):
     ref_text = tokenizer.decode(_ref(references, prompt_ids, 0), skip_special_tokens=True)
-    stop = "recursive"
-    assert stop in ref_text
-    for stream in (False, True):
-        r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
-                                      stop=[stop], stream=stream)
-        text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
-        assert text == ref_text[: ref_text.index(stop)]
+    assert_stop_string(client, MODEL, PROMPTS[0][0], ref_text, MAX_TOKENS)
     stub = rpc.GenerationStub(grpc.insecure_channel(server.grpc))
     request = pb.GenerateRequest(model=MODEL, prompt=PROMPTS[1][0], params=pb.SamplingParams(max_tokens=MAX_TOKENS))
     responses = list(stub.Generate(request, metadata=METADATA, timeout=300))
@@ -516,16 +511,8 @@ def test_killed_drafter_costs_speed_not_tokens(client, prompt_ids, references):
     drafter = next(ray.get_actor(a["name"], namespace=a["namespace"])
                    for a in ray.util.list_named_actors(all_namespaces=True)
                    if a["name"].startswith("tandem-vllm-drafter-"))
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[2][0], max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=True, extra_body={"return_token_ids": True})
-    ids, killed = [], False
-    for chunk in stream:
-        for choice in chunk.choices:
-            ids += choice.model_extra.get("token_ids") or []
-        if ids and not killed:
-            ray.kill(drafter, no_restart=False)
-            killed = True
-    assert killed and ids == _ref(references, prompt_ids, 2)
+    ids = stream_and_kill(client, MODEL, PROMPTS[2][0], MAX_TOKENS, lambda: ray.kill(drafter, no_restart=False))
+    assert ids == _ref(references, prompt_ids, 2)
     after = _verifier().proposer_stats.remote().result()
     assert after.get("drafter_failures", 0) > before.get("drafter_failures", 0)
     _wait_restarted(drafter, 180)  # Ray restarted it (same actor, same name)

@@ -19,7 +19,8 @@ from cluster.core.errors import ConfigError
 from deployments.config import TandemAppConfig
 from deployments.serving import DEFAULT_CONFIG, load_config
 from protos import pb, rpc
-from tests.helpers import SERVE_PROMPTS, TEST_SERVE_ENV, assert_text_options, raylet_pid
+from tests.helpers import (SERVE_PROMPTS, TEST_SERVE_ENV, assert_stop_string, assert_text_options, raylet_pid,
+                           stream_and_kill)
 from tests.openai_checks import (assert_anthropic_messages, assert_hosting_routes, assert_responses_features,
                                  assert_responses_greedy, assert_responses_tools, assert_tokenizer_routes)
 from tests.serving import API_KEY, MODEL
@@ -104,19 +105,7 @@ def test_chat_non_streaming_and_completion_streaming(client, tokenizer, prompt_i
 
 def test_stop_strings(client, tokenizer, prompt_ids, references):
     ref_text = tokenizer.decode(_ref(references, prompt_ids, 0), skip_special_tokens=True)
-    stop = "recursive"
-    assert stop in ref_text
-    for stream in (False, True):
-        r = client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=MAX_TOKENS, temperature=0,
-                                      stop=[stop], stream=stream)
-        if stream:
-            chunks = list(r)
-            text = "".join(c.choices[0].text for c in chunks if c.choices)
-            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-        else:
-            text, finish = r.choices[0].text, [r.choices[0].finish_reason]
-        assert text == ref_text[: ref_text.index(stop)]
-        assert finish == ["stop"]
+    assert_stop_string(client, MODEL, PROMPTS[0][0], ref_text, MAX_TOKENS)
 
 
 def test_text_options(client, tokenizer, prompt_ids, references):
@@ -371,21 +360,6 @@ def _named_actor(prefix: str):
     raise AssertionError(f"no actor named {prefix}*")
 
 
-def _stream_and_kill(client, prompt: str, max_tokens: int, kill) -> list[int]:
-    """Stream a greedy completion; call `kill` once the first tokens arrived; return all token ids."""
-    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                       stream=True, extra_body={"return_token_ids": True})
-    ids, killed = [], False
-    for chunk in stream:
-        for choice in chunk.choices:
-            ids += choice.model_extra.get("token_ids") or []
-        if ids and not killed:
-            kill()
-            killed = True
-    assert killed
-    return ids
-
-
 def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, references):
     """A second application whose verifier replicas are TP = 3 (one STRICT_PACK group of 3 bundles:
     rank 0 in the Serve replica, ranks 1-2 as actors in its group): same greedy tokens. Plain decoding
@@ -412,7 +386,7 @@ def test_tensor_parallel_verifier_replica_through_serve(server, prompt_ids, refe
                            if i["name"].startswith("tandem-follower-tp-") and i["name"].endswith("rank2"))
         follower = _named_actor(killed_name)
         tp = openai.OpenAI(base_url=server.http + "/tp/v1", api_key=API_KEY, max_retries=0, timeout=300)
-        ids = _stream_and_kill(tp, PROMPTS[1][0], 12, lambda: ray.kill(follower, no_restart=True))
+        ids = stream_and_kill(tp, MODEL, PROMPTS[1][0], 12, lambda: ray.kill(follower, no_restart=True))
         assert len(ids) == 12 and ids == _ref(references, prompt_ids, 1)[:12]
         names = {i["name"] for i in ray.util.list_named_actors(all_namespaces=True)}
         assert killed_name not in names

@@ -32,7 +32,7 @@ class GrpcRoutes:
     `IngressRoutes`'."""
 
     async def Generate(self, request, grpc_context=None):
-        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        metadata = dict(grpc_context.invocation_metadata())
         if not self._key_accepted(metadata.get("authorization", ""), metadata.get("x-api-key", "")):
             # the HTTP routes' 401: api_keys gate gRPC as they gate HTTP
             grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)

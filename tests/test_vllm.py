@@ -345,21 +345,16 @@ def test_cli_generate_json_through_vllm(spec, prompts, reference, monkeypatch, c
 # -- sampled speculative decoding: the distribution ----------------------------------------------------------------
 
 
-# before a sampled test's 29-token prompt (SmolLM2's tokenizer): 134 tokens (_shared_prompt)
+# before a sampled lookup test's 29-token prompt (SmolLM2's tokenizer): 134 tokens, one full KV block (128 tokens on
+# CPU) and a few more. vLLM's prefix cache keeps full blocks once computed, so the first of the test's 500 samples
+# prefills the block and each of the others only the tokens after it; with the bare prompt every sample prefilled it
+# all (47 s for the 500 samples here, 18.5 s with the prefix)
 SHARED_PREFIX = ("Notes from a weekly meeting of a small town's library committee. The committee met on Tuesday "
                  "evening in the reading room. The treasurer reported that the roof repairs had cost less than "
                  "expected, and that the money left over would go towards new shelves for the children's section. "
                  "The head librarian asked for volunteers to help with the book sale in the spring, and four members "
                  "raised their hands. The opening hours on Saturdays were left for the next meeting, as the hour was "
                  "late and several members had already gone home. ")
-
-
-def _shared_prompt(tokenizer, text: str) -> list[int]:
-    """SHARED_PREFIX + `text`: a prompt one full KV block long (128 tokens on CPU) and a few tokens more. vLLM's
-    prefix cache keeps full blocks once computed, so the first of a test's n samples prefills the block and each of
-    the others only the tokens after it. Without it every sample prefills the whole prompt: 500 samples of a
-    29-token prompt took 47 s here, of this 134-token one 18.5 s."""
-    return encode_prompt(tokenizer, SHARED_PREFIX + text, False)
 
 
 def _sample_pairs(engine: VLLMEngine, prompt: list[int], n: int, top_k: int) -> list[tuple[int, int]]:
@@ -432,8 +427,8 @@ def test_sampled_inline_lookup_has_the_target_distribution(spec, path, proposer)
     first tokens are in the prompt's list, each followed there by a comma): chi-square of tokens 1 and 2
     against transformers' fp32 p(t1)·p(t2|t1)."""
     tokenizer = models.load_tokenizer(path)
-    prompt = _shared_prompt(tokenizer, "Colours: red, blue, green, yellow, purple, orange, black, white, pink, grey, "
-                                       "brown. My favourite colour is")
+    prompt = encode_prompt(tokenizer, SHARED_PREFIX + "Colours: red, blue, green, yellow, purple, orange, black, "
+                                                      "white, pink, grey, brown. My favourite colour is", False)
     top_k, n = 6, 500
     expected, _ = _expected_pairs(path, prompt, top_k)
     drafts = drafter_spec(EngineConfig(proposer=proposer, num_speculative_tokens=1)).tuned(wait_s=5.0)
@@ -739,7 +734,7 @@ def test_eagle3_with_tandems_matches_is_lossless(path, prompts, reference, tmp_p
     out = export_vllm(Eagle3Draft(target, torch.arange(4096)), tmp_path / "eagle3")
     del target
     tokenizer = models.load_tokenizer(path)
-    # no SHARED_PREFIX (_shared_prompt): with EAGLE-3, vLLM's prefix cache gives back all but a prompt's last cached
+    # no SHARED_PREFIX: with EAGLE-3, vLLM's prefix cache gives back all but a prompt's last cached
     # block (EAGLE-3 recomputes its hidden states), so each of the samples would prefill 128 tokens or more
     prompt = encode_prompt(tokenizer, "Colours: red, blue, green, yellow, purple. Colours: red, blue, green, yellow, "
                                       "purple. Colours:", False)

@@ -4,5 +4,6 @@ on one worker as one unit (tests/conftest.py, SHARED_PACKAGES)."""
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
+METADATA = (("application", "tandem"), ("authorization", f"Bearer {API_KEY}"))  # gRPC: the app has api_keys
 MAX_RESUMES = 1  # a stream is resumed once at most (test_failover's router dying on every attempt)
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve checks each replica every 2 s (its default is 10): a killed one is replaced sooner

@@ -21,7 +21,7 @@ from cluster.core.sampling import SamplingParams
 from deployments.chunks import SessionProgress, TokensChunk
 from protos import pb, rpc
 from tests.helpers import SERVE_PROMPTS
-from tests.serving import API_KEY, MAX_RESUMES, MODEL
+from tests.serving import API_KEY, MAX_RESUMES, METADATA, MODEL
 
 MAX_TOKENS = 48
 PROMPTS = SERVE_PROMPTS + [
@@ -30,7 +30,6 @@ PROMPTS = SERVE_PROMPTS + [
     ("import os\n\ndef list_files(path):\n", False),
 ]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-METADATA = (("application", "tandem"), ("authorization", f"Bearer {API_KEY}"))
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,12 @@ from tests.helpers import (SERVE_PROMPTS, TEST_SERVE_ENV, assert_stop_string, as
                            stream_and_kill)
 from tests.openai_checks import (assert_anthropic_messages, assert_hosting_routes, assert_responses_features,
                                  assert_responses_greedy, assert_responses_tools, assert_tokenizer_routes)
-from tests.serving import API_KEY, MODEL
+from tests.serving import API_KEY, METADATA, MODEL
 from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_prompt_logprobs import assert_echo_and_scoring
 
 MAX_TOKENS = 24
 PROMPTS = SERVE_PROMPTS
-METADATA = (("application", "tandem"), ("authorization", f"Bearer {API_KEY}"))  # the app has api_keys
 
 
 @pytest.fixture(scope="module")

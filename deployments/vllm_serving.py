@@ -43,7 +43,7 @@ from cluster.ray.drafter import launch_drafter
 from cluster.session.speculate import SpeculationStats
 from cluster.vllm import reaper
 from cluster.vllm.eagle3 import checked_eagle3_dir, eagle3_speculative_config
-from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params
+from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params, to_vllm_prompt
 from cluster.vllm.openmp import engine_processes_on_intel_openmp
 from cluster.vllm.proposer import PROPOSER_CLASS
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens, inline_matches
@@ -219,8 +219,6 @@ class TandemLLMServer(_server_base()):
         """Yields `StepTokens` per engine step, then `StepFinish`; a request this engine refuses yields one
         `ErrorChunk` instead. `sampling`: as the ingress validated them. `max_speculative_tokens` caps this
         request's drafts (0: plain decoding, no drafter session)."""
-        from vllm.inputs import TokensPrompt
-
         if self.speculative and not sampling.greedy and self.fix.get("state") not in ("applied", "not needed"):
             yield ErrorChunk("invalid_request_error", f"sampled speculative decoding is refused on this vLLM "
                                                       f"({self.fix}); use temperature 0")
@@ -241,7 +239,7 @@ class TandemLLMServer(_server_base()):
             started = self.drafter.start.remote(session, list(prompt_ids), sampling)
         try:
             finish, spec = None, None
-            async for out in self.engine._engine_client.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
+            async for out in self.engine._engine_client.generate(to_vllm_prompt(prompt_ids, sampling),
                                                                   _delta_params(sampling), request_id=session):
                 if sampling.prompt_logprobs is not None and out.prompt_logprobs:  # the first output only (DELTA)
                     yield PromptChunk(_prompt_logprobs(prompt_ids, out.prompt_logprobs, sampling.prompt_logprobs))

@@ -38,12 +38,12 @@ class DraftModelProposer(SequenceProposer):
         q crosses the wire compactly. Any q keeps the output lossless: the verifier uses this one.
         `tree_width` > 1: `propose_tree` adds the draft's next most likely tokens as siblings of the
         first draft (a token tree, `cluster.core.tree`). A session whose prompt the runner keeps
-        (`runner.prompt_cache`) takes its KV instead of a prefill."""
+        (`runner.prompt_cache`, under the same `params.cache_salt`) takes its KV instead of a prefill."""
         super().__init__()
         self.runner = runner
         self.prompt_cache = PromptCache.of(runner)
-        self._prefilled: dict[SessionId, tuple[int, int]] = {}  # prompt tokens prefilled at start (all but the
-        # last), and the torch threads that prefill ran with
+        self._prefilled: dict[SessionId, tuple[int, int, str | None]] = {}  # prompt tokens prefilled at start (all
+        # but the last), the torch threads that prefill ran with, and the session's cache_salt
         self.max_support = max_support
         self.tree_width = tree_width
 
@@ -51,8 +51,8 @@ class DraftModelProposer(SequenceProposer):
         super().start(session, prompt_ids, params)
         self.runner.add_session(session)
         if len(prompt_ids) > 1:  # prefill now (or the same prompt's kept KV); the last token is fed by the first propose
-            self._prefilled[session] = (len(prompt_ids) - 1, torch.get_num_threads())
-            if not self.prompt_cache.take(prompt_ids[:-1], session):
+            self._prefilled[session] = (len(prompt_ids) - 1, torch.get_num_threads(), params.cache_salt)
+            if not self.prompt_cache.take(prompt_ids[:-1], session, params.cache_salt):
                 self.runner.extend(session, prompt_ids[:-1], num_logits=0)
 
     def propose(self, session: SessionId, k: int) -> DraftProposal:
@@ -114,12 +114,12 @@ class DraftModelProposer(SequenceProposer):
         keep = min(length, len(self.tokens(session)) - 1)
         if self.runner.length(session) > keep:
             self.runner.truncate(session, keep)
-        if keep < self._prefilled.get(session, (0, 0))[0]:  # below the prompt (no router does): nothing to keep
+        if keep < self._prefilled.get(session, (0,))[0]:  # below the prompt (no router does): nothing to keep
             del self._prefilled[session]
 
     def release(self, session: SessionId) -> None:
-        prefilled, threads = self._prefilled.pop(session, (0, 0))
+        prefilled, threads, salt = self._prefilled.pop(session, (0, 0, None))
         if prefilled and session in self._tokens and self.runner.has_session(session):
-            self.prompt_cache.keep(session, self._tokens[session][:prefilled], threads)
+            self.prompt_cache.keep(session, self._tokens[session][:prefilled], threads, salt)
         super().release(session)
         self.runner.release(session)

@@ -56,3 +56,21 @@ def test_choices_opened_on_one_prompt_prefill_it_once_and_decode_as_alone():
     other.open("b", PROMPT[:-1] + [1], params[0])  # another prompt: prefilled itself
     other.open("c", PROMPT, params[0], features=False)
     assert other.shared_prefills == 1
+
+
+def test_a_prefill_is_shared_only_between_sessions_of_one_cache_salt():
+    """vLLM's `cache_salt`: an open session's prompt KV goes only to a session of the same salt (an unsalted one's
+    only to unsalted ones); each session decodes (greedy) as an unsalted one alone does."""
+    model = tiny_llama(seed=4)
+    alone = VerifierEngine(TorchModelRunner(model))
+    alone.open("solo", PROMPT, SamplingParams())
+    reference = _decode(alone, ["solo"], 6)["solo"]
+    engine = VerifierEngine(TorchModelRunner(model))
+    donors = {}
+    for sid, salt, shared in [("plain", None, 0), ("a", "tenant-a", 0), ("b", "tenant-b", 0), ("a2", "tenant-a", 1),
+                              ("plain2", None, 2)]:
+        donors[sid] = engine._prefix_donor(tuple(PROMPT), salt)
+        engine.open(sid, PROMPT, SamplingParams(cache_salt=salt))
+        assert engine.shared_prefills == shared
+    assert donors == {"plain": None, "a": None, "b": None, "a2": "a", "plain2": "plain"}
+    assert all(out == reference for out in _decode(engine, list(donors), 6).values())

@@ -122,6 +122,17 @@ def test_the_wire_carries_every_field():
     assert params_from_pb(params_to_pb(SamplingParams())) == SamplingParams()
 
 
+def test_the_wire_carries_the_cache_salt_set_and_unset():
+    salted = SamplingParams(max_tokens=9, cache_salt="tenant-a/ü")
+    assert params_to_pb(salted).cache_salt == "tenant-a/ü" and params_from_pb(params_to_pb(salted)) == salted
+    assert not params_to_pb(SamplingParams()).HasField("cache_salt")  # unset stays unset: the unsalted pool
+    assert params_from_pb(params_to_pb(SamplingParams())).cache_salt is None
+    empty = params_to_pb(SamplingParams())
+    empty.cache_salt = ""  # set but empty (vLLM refuses it too): refused by the verifier's port, not read as unset
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        params_from_pb(empty)
+
+
 def test_stop_token_ids_end_generation_and_min_tokens_holds_back_stop_strings(tokenizer):
     checker = StopChecker(tokenizer, [2], SamplingParams(stop_token_ids=[7], ignore_eos=True, max_tokens=9))
     output: list[int] = []

@@ -1,7 +1,7 @@
 """A prompt's KV kept after its session ends (`cluster.model.prompt_cache`) for a later session that opens with
 exactly the same tokens: on the target's verifier and on the draft model. What a kept prompt gives is a prefill's
-own keys and values, bit for bit, so decoding is unchanged; nothing but an exact match is used; the kept tokens stay
-within the budget."""
+own keys and values, bit for bit, so decoding is unchanged; nothing but an exact match is used, under the same
+`cache_salt`; the kept tokens stay within the budget."""
 
 from __future__ import annotations
 
@@ -137,6 +137,50 @@ def test_repeated_requests_decode_as_without_the_cache_on_target_and_draft():
     assert plain.engine.prompt_cache.stats.hits == plain.proposer.prompt_cache.stats.hits == 0
     assert cached.target.num_sessions == cached.proposer.runner.num_sessions == 0  # only the kept prompts stay
     assert cached.target.num_kept == cached.proposer.runner.num_kept == 1
+
+
+def test_a_salted_session_takes_only_a_prompt_kept_under_its_own_salt(monkeypatch):
+    """vLLM's `cache_salt`: a prompt kept by an unsalted session, or one of another salt, is a miss (the session
+    prefills); one kept under the same salt is a hit, its KV a prefill's own; greedy output is the same bit for bit
+    whatever the salt."""
+    runner = TorchModelRunner(tiny_llama(seed=5), prompt_cache_tokens=64)
+    engine = VerifierEngine(runner)
+    prefills = []  # the sessions the runner prefilled (extend is called for nothing else before a round)
+    extend = runner.extend
+    monkeypatch.setattr(runner, "extend", lambda sid, *args, **kw: prefills.append(sid) or extend(sid, *args, **kw))
+    engine.open("plain", PROMPT, SamplingParams())
+    fresh = _kv(runner, "plain", len(PROMPT) - 1)
+    plain = _decode(engine, ["plain"], 6)["plain"]
+    engine.release("plain")
+    outputs, stats, expected = {}, engine.prompt_cache.stats, [0, 1]  # hits, misses ("plain" missed)
+    for sid, salt, hit in [("a", "tenant-a", False), ("b", "tenant-b", False), ("a2", "tenant-a", True),
+                           ("unsalted", None, True)]:
+        engine.open(sid, PROMPT, SamplingParams(cache_salt=salt))
+        expected[not hit] += 1
+        assert [stats.hits, stats.misses] == expected and (sid in prefills) is not hit
+        assert all(torch.equal(k, k2) and torch.equal(v, v2)
+                   for (k, v), (k2, v2) in zip(fresh, _kv(runner, sid, len(PROMPT) - 1)))
+        outputs[sid] = _decode(engine, [sid], 6)[sid]
+        engine.release(sid)
+    assert all(out == plain for out in outputs.values())
+    assert len(engine.prompt_cache) == runner.num_kept == 3  # unsalted, tenant-a, tenant-b: kept apart
+
+
+def test_salted_requests_decode_as_unsalted_and_share_neither_cache_across_salts():
+    """The whole loop with a draft model: the target's and the draft's kept prompts are each taken only under the
+    salt they were kept with, and every output (greedy) equals an unsalted decoder's without the caches."""
+    target, draft = tiny_llama(seed=1), tiny_llama(seed=2)
+
+    def decoder(cache_tokens: int) -> SpeculativeDecoder:
+        proposer = DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=cache_tokens))
+        return SpeculativeDecoder(TorchModelRunner(target, prompt_cache_tokens=cache_tokens), proposer, None, 3)
+
+    cached, plain = decoder(256), decoder(0)
+    reference = plain.generate(PROMPT, SamplingParams(max_tokens=12)).token_ids
+    for salt in (None, "tenant-a", "tenant-b", "tenant-a"):
+        assert cached.generate(PROMPT, SamplingParams(max_tokens=12, cache_salt=salt)).token_ids == reference
+    assert cached.engine.prompt_cache.stats.hits == cached.proposer.prompt_cache.stats.hits == 1  # the second "a"
+    assert cached.target.num_kept == cached.proposer.runner.num_kept == 3
 
 
 def test_engines_on_one_runner_share_its_kept_prompts():

@@ -497,6 +497,15 @@ def test_remote_drafter_killed_mid_request(spec, path):
         ray.shutdown()
 
 
+def test_the_prompt_carries_the_cache_salt_only_when_set():
+    """vLLM's prefix cache reuses a salted request's blocks only for requests of the same salt: the salt rides
+    with the prompt (`TokensPrompt.cache_salt`; `VLLMEngine.generate_batch` and the Serve replica's
+    `generate_tokens` both build it here). No engine is started."""
+    salted = ve.to_vllm_prompt((5, 9, 2), SamplingParams(cache_salt="tenant-a"))
+    assert salted == {"prompt_token_ids": [5, 9, 2], "cache_salt": "tenant-a"}
+    assert ve.to_vllm_prompt([5, 9, 2], SamplingParams()) == {"prompt_token_ids": [5, 9, 2]}  # no key: unsalted
+
+
 def test_proposer_never_raises_into_vllm():
     """An exception inside propose is caught, logged and counted: vLLM gets [] rows."""
     proposer = TandemProposer(None)

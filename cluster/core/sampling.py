@@ -51,6 +51,9 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output token's log probability and its this many most likely alternatives; None: none (nothing computed).")
     logprobs_mode: LogprobsMode = Field("raw_logprobs", description="Which distribution `logprobs` come from (vLLM's names): `raw_logprobs`, the target's raw logits; `processed_logprobs`, the one the token was drawn from (processors, temperature, min_p, top-k, top-p).")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each prompt token's log probability (all but the first) and its this many most likely alternatives, computed by the verifier as it prefills the prompt; always the log-softmax of the target's raw logits (vLLM's prompt logprobs skip the processors in any mode); None: none.")
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024, description=(
+        "vLLM's prefix-cache salt: prefill KV is reused only from requests with the same salt (the torch backend's "
+        "prompt cache and shared prefills, vLLM's prefix cache); None: only from unsalted ones. Output is unchanged."))
     # how the output's text is written (the tokens are the same either way; vLLM's names)
     include_stop_str_in_output: bool = Field(False, description="The text keeps the stop string that ended it (and a final stop token id's or EOS's text), as vLLM does.")
     skip_special_tokens: bool = Field(True, description="Special tokens' text is left out of the output text.")

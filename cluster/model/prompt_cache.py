@@ -9,7 +9,8 @@ may round differently in the last bit, so a prompt that merely shares a prefix i
 What repeats exactly: the same prompt sampled many times (best-of-n and pass@k across requests, the statistical
 tests), a retried request, the same chat turn sent again. The kept tokens are bounded (`max_tokens`, least
 recently used first out); each is held as a session of its own on the runner (`NAME/prompt-cache/N`), its buffers
-exactly as long as the prompt.
+exactly as long as the prompt. A prompt is kept under its session's `cache_salt` (vLLM's; None: unsalted) and taken
+only by a session of the same salt, so tenants with salts of their own never reuse each other's prefills.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class PromptCache:
     """On one runner (a `TorchModelRunner`, or a tensor-parallel leader: anything with `add_session`,
     `share_prefix`, `length` and `release`): `keep(session, tokens)` copies the KV of a session's first
     `len(tokens)` positions, which a prefill of `tokens` wrote; `take(tokens, session)` gives an empty session
-    that KV. Not thread-safe on the runner: call it where the runner's other calls are serialised."""
+    that KV. Both take the session's `salt` (`SamplingParams.cache_salt`): a prompt is taken only under the salt it
+    was kept with. Not thread-safe on the runner: call it where the runner's other calls are serialised."""
 
     def __init__(self, runner, max_tokens: int, name: str = "prompt-cache"):
         if max_tokens < 0:
@@ -62,15 +64,15 @@ class PromptCache:
         return self.max_tokens > 0
 
     @staticmethod
-    def _key(tokens: Sequence[int], threads: int | None = None) -> tuple:
-        return (threads or torch.get_num_threads(), *map(int, tokens))
+    def _key(tokens: Sequence[int], threads: int | None = None, salt: str | None = None) -> tuple:
+        return (threads or torch.get_num_threads(), salt, *map(int, tokens))
 
-    def take(self, tokens: Sequence[int], session) -> bool:
-        """Give the empty `session` the kept KV of `tokens` (moved to most recently used); False where none is
-        kept (the caller prefills)."""
+    def take(self, tokens: Sequence[int], session, salt: str | None = None) -> bool:
+        """Give the empty `session` the kept KV of `tokens` kept under `salt` (moved to most recently used);
+        False where none is (the caller prefills)."""
         if not self.enabled or not tokens:
             return False
-        key = self._key(tokens)
+        key = self._key(tokens, salt=salt)
         with self._lock:
             entry = self._kept.get(key)
             if entry is None:
@@ -86,14 +88,14 @@ class PromptCache:
             self.on_hit(length)
         return True
 
-    def keep(self, session, tokens: Sequence[int], threads: int | None = None) -> bool:
+    def keep(self, session, tokens: Sequence[int], threads: int | None = None, salt: str | None = None) -> bool:
         """Copy `session`'s first `len(tokens)` positions, written by a prefill of `tokens` with `threads` torch
-        threads (the caller's word; None: as many as now), unless kept already or longer than the whole budget;
-        drops the least recently used past it."""
+        threads (the caller's word; None: as many as now), under the session's `salt`, unless kept already or
+        longer than the whole budget; drops the least recently used past it."""
         n = len(tokens)
         if not self.enabled or n == 0 or n > self.max_tokens or self.runner.length(session) < n:
             return False
-        key = self._key(tokens, threads)
+        key = self._key(tokens, threads, salt)
         with self._lock:
             if key in self._kept:
                 self._kept.move_to_end(key)

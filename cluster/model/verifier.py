@@ -99,13 +99,14 @@ class VerifierEngine:
             try:
                 opened = tuple(int(t) for t in token_ids)
                 shareable = not features and params.prompt_logprobs is None  # both need the prefill's own rows
-                donor = self._prefix_donor(opened) if shareable else None
+                salt = params.cache_salt  # prefill KV comes only from sessions of the same salt (None: unsalted)
+                donor = self._prefix_donor(opened, salt) if shareable else None
                 threads = self._sessions[donor].threads if donor is not None else torch.get_num_threads()
                 if donor is not None:  # the same prompt, prefilled already: its KV, bit for bit what a prefill gives
                     self.runner.share_prefix(donor, session, len(token_ids) - 1)
                     self.shared_prefills += 1
-                elif shareable and len(token_ids) > 1 and self.prompt_cache.take(opened[:-1], session):
-                    pass  # an earlier session's prefill of the same tokens, kept
+                elif shareable and len(token_ids) > 1 and self.prompt_cache.take(opened[:-1], session, salt):
+                    pass  # an earlier session's prefill of the same tokens (and cache_salt), kept
                 elif len(token_ids) > 1:  # with prompt_logprobs, row i: the raw logits after token i  # [n - 1, vocab]
                     rows = self.runner.extend(session, list(token_ids[:-1]),
                                               num_logits=None if params.prompt_logprobs is not None else 0)
@@ -125,14 +126,15 @@ class VerifierEngine:
         scored = [] if rows is None else prompt_logprobs(rows, token_ids, params.prompt_logprobs)  # outside the lock
         return Opened(len(token_ids), prompt_features, scored)
 
-    def _prefix_donor(self, opened: tuple[int, ...]) -> str | None:
-        """An open session that opened with the same tokens (a choice of the same request): the KV of all
-        but the last is its first positions' for good (a session never rolls back below what it opened
-        with). None where the runner cannot share or no session fits. Called under the lock."""
+    def _prefix_donor(self, opened: tuple[int, ...], salt: str | None = None) -> str | None:
+        """An open session that opened with the same tokens and the same `cache_salt` (a choice of the same
+        request): the KV of all but the last is its first positions' for good (a session never rolls back below
+        what it opened with). None where the runner cannot share or no session fits. Called under the lock."""
         if len(opened) < 2 or not hasattr(self.runner, "share_prefix"):
             return None
         for sid, state in reversed(self._sessions.items()):
-            if state.opened == opened and self.runner.length(sid) >= len(opened) - 1:
+            if state.opened == opened and state.params.cache_salt == salt \
+                    and self.runner.length(sid) >= len(opened) - 1:
                 return sid
         return None
 
@@ -143,7 +145,7 @@ class VerifierEngine:
                 return False
             if len(state.opened) > 1:  # its first positions: the prefill of all but the last token it opened with
                 try:
-                    self.prompt_cache.keep(session, state.opened[:-1], state.threads)
+                    self.prompt_cache.keep(session, state.opened[:-1], state.threads, state.params.cache_salt)
                 except Exception:  # e.g. a tensor-parallel group that lost a rank: nothing kept, loudly
                     log.exception("keeping session %s's prompt KV failed", session)
             self.runner.release(session)

@@ -103,6 +103,17 @@ def to_vllm_params(params: SamplingParams, **extra):
     return out
 
 
+def to_vllm_prompt(prompt_ids: Sequence[int], params: SamplingParams):
+    """vLLM's TokensPrompt for a session's prompt, with its `cache_salt` where set (vLLM's prefix cache then reuses
+    blocks only of requests with the same salt; unset: only unsalted ones)."""
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+    if params.cache_salt is not None:
+        prompt["cache_salt"] = params.cache_salt
+    return prompt
+
+
 def to_vllm_structured(so: StructuredOutputs | None):
     """vLLM's StructuredOutputsParams for a grammar (vLLM masks the target at every draft position and cuts
     drafts at their first refused token: `v1/structured_output`), or None."""
@@ -237,14 +248,12 @@ class VLLMEngine:
                        use_tqdm: bool = False) -> list[GenerationResult]:
         """All prompts at once (vLLM batches them). Stats: tokens and time per request; drafted /
         accepted are vLLM's counters over the whole call (exact for a single prompt)."""
-        from vllm.inputs import TokensPrompt
-
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         for ids, p in zip(prompts, params_list):
             self.validate(list(ids), p)
         before = self.spec_metrics() if self.method else None
         t0 = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts],
+        outputs = self.llm.generate([to_vllm_prompt(ids, p) for ids, p in zip(prompts, params_list)],
                                     [to_vllm_params(p) for p in params_list], use_tqdm=use_tqdm)
         elapsed = time.perf_counter() - t0
         after = self.spec_metrics() if self.method else None

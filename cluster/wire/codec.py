@@ -40,6 +40,8 @@ def params_to_pb(params: SamplingParams):
     msg.include_stop_str_in_output = params.include_stop_str_in_output
     if not params.skip_special_tokens:
         msg.skip_special_tokens = False
+    if params.cache_salt is not None:
+        msg.cache_salt = params.cache_salt
     so = params.structured_outputs
     if so is not None:
         msg.structured_outputs.CopyFrom(pb.StructuredOutputs(kind=so.kind, spec=so.spec,
@@ -93,7 +95,7 @@ def params_from_pb(msg) -> SamplingParams:
         top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
         ignore_eos=msg.ignore_eos, **processor_fields_from_pb(msg), **logprob_fields_from_pb(msg),
         **text_fields_from_pb(msg), prompt_length=msg.prompt_length if msg.HasField("prompt_length") else None,
-        eos_token_ids=list(msg.eos_token_ids))
+        eos_token_ids=list(msg.eos_token_ids), cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None)
 
 
 # -- draft proposals ----------------------------------------------------------------------------

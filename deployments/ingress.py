@@ -35,7 +35,7 @@ from deployments.ingress_grpc import ERROR_STATUS, GrpcRoutes
 from deployments.openai_api import CompletionRequest, parse_request
 from deployments.openai_body import ApiError, ErrorResponse, error_response, read_body
 from deployments.openai_chat import ChatCompletionRequest
-from deployments.openai_choices import Echo, choice_params, collect, open_choices, sse
+from deployments.openai_choices import Answer, Echo, choice_params, collect, echo_chat, open_choices, sse
 from deployments.openai_logprobs import LogprobFormat
 from deployments.openai_responses import (
     ChatCompletionChunk,
@@ -119,25 +119,31 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
                               top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
                               include_stop_str_in_output=body.include_stop_str_in_output,
                               skip_special_tokens=body.skip_special_tokens, structured_outputs=body.structured(),
+                              cache_salt=body.cache_salt,
                               **body.processor_fields(self.tokenizer), **body.logprob_fields())
 
     def _chat_ids(self, messages: list[dict], tools=None, tool_mode: str | None = None,
-                  options: dict | None = None) -> list[int]:
+                  options: dict | None = None, special_tokens: bool = False) -> list[int]:
         """The prompt of a conversation (OpenAI-shaped message dicts), with the tools where they are in play;
-        `options`: the request's chat template options (`TemplateFields.template_options`)."""
+        `options`: the request's chat template options (`TemplateFields.template_options`); `special_tokens`:
+        the templated text tokenized with the tokenizer's special tokens added (vLLM's `add_special_tokens`)."""
         if not messages:
             raise InvalidRequestError("messages: at least one message is required")
         messages, listed = openai_tools.template_messages(messages, tools, tool_mode, self.tokenizer.chat_template or "")
+        options = options or {"add_generation_prompt": True}
         try:
+            if special_tokens:
+                text = self.tokenizer.apply_chat_template(messages, tools=listed, tokenize=False, **options)
+                return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
             return list(self.tokenizer.apply_chat_template(messages, tools=listed, tokenize=True, return_dict=False,
-                                                           **(options or {"add_generation_prompt": True})))
+                                                           **options))
         except (TemplateError, ValueError) as e:  # a template may refuse an order of roles, or a message to continue
             raise InvalidRequestError(f"messages: the model's chat template refused them: {e}") from None
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """A chat completions request's prompt ids."""
         return self._chat_ids([m.template_message() for m in body.messages], body.tools, body.tool_mode(),
-                              body.template_options())
+                              body.template_options(), body.add_special_tokens)
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, max_speculative_tokens: int | None):
         """The router's chunks (an error arrives as one `ErrorChunk`), resumed on another router
@@ -219,7 +225,8 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
         try:
             body = parse_request(raw if raw is not None else await read_body(request), model)
             self._check_model(body.model)
-            prompts = prompts_of(body)
+            prompts = [body.truncated(ids, self.context_limit, self.tokenizer.truncation_side)
+                       for ids in prompts_of(body)]
             params = [self._http_params(body, ids, max_tokens_of(body)) for ids in prompts]
             if params[0].structured_outputs is not None:  # a schema, regex or grammar xgrammar refuses is a 400 here
                 await asyncio.to_thread(grammar.check, params[0].structured_outputs, self.vocab_size)
@@ -235,7 +242,8 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
                            param="model", code="model_not_found")
 
     def _completion_ids(self, body: CompletionRequest) -> list[list[int]]:
-        return [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else p for p in body.prompts()]
+        return [list(self.tokenizer(p, add_special_tokens=body.add_special_tokens)["input_ids"])
+                if isinstance(p, str) else p for p in body.prompts()]
 
     async def http(self, request: Request, kind: Literal["completion", "chat"], raw: bytes | None = None,
                    chat_ids: list[int] | None = None):
@@ -255,25 +263,42 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
         refused, chunks = await open_choices(streams)
         if refused is not None:  # a refusal (queue full, ...) still gets its status code, not a 200 stream
             return self._error(refused)
-        request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        # the body's request_id, else an X-Request-Id header (Serve's proxy sets its request's id there when the
+        # client did not; vLLM lets a header win, but behind Serve a header is always there), else random
+        request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-" \
+                     f"{body.request_id or request.headers.get('x-request-id') or uuid.uuid4().hex}"
         choices, prompt_tokens = len(streams), sum(len(ids) for ids in prompts)
-        logprobs = LogprobFormat(self.tokenizer, kind) if params[0].logprobs is not None else None
-        echo = [Echo(body.echo_text(p, self.tokenizer), ids[0], params[0].prompt_logprobs is not None)
-                for p, ids in zip(body.prompts(), prompts) for _ in range(body.n)] \
-            if kind == "completion" and body.echo else None
+        logprobs = LogprobFormat(self.tokenizer, kind, body.return_tokens_as_token_ids) \
+            if params[0].logprobs is not None else None
+        answer = Answer(choices, kind, request_id, body.model, prompt_tokens, body.return_token_ids,
+                        [ids for ids in prompts for _ in range(body.n)], self._echoes(kind, body, prompts),
+                        self._prompt_text(kind, body, prompts[0]))
         tools = body.tool_mode() if kind == "chat" else None  # tool calls parsed out of each choice's text
         if body.stream:
-            events = sse(chunks, choices, kind, request_id, body.model, body.usage_options(),
-                         prompt_tokens, body.return_token_ids, logprobs, echo)
+            events = sse(chunks, answer, body.usage_options(), logprobs)
             return StreamingResponse(openai_tools.stream(events, tools), media_type="text/event-stream")
         try:
-            result = await collect(chunks, choices, kind, request_id, body.model, prompt_tokens,
-                                   body.return_token_ids, logprobs, echo, LogprobFormat(self.tokenizer, kind))
+            result = await collect(chunks, answer, logprobs, LogprobFormat(self.tokenizer, kind))
         finally:
             await chunks.aclose()
         if isinstance(result, ErrorChunk):
             return self._error(result)
-        return openai_tools.apply(result, tools) if kind == "chat" else result
+        return echo_chat(openai_tools.apply(result, tools), answer.echo) if kind == "chat" else result
+
+    def _echoes(self, kind: str, body, prompts: list[list[int]]) -> list[Echo] | None:
+        """Each choice's `echo` (None: none): a completion's prompt text (its ids decoded where they were cut),
+        scored where its prompt logprobs are asked; chat's, the last message's text (`echo_text`)."""
+        if kind == "chat":
+            return [Echo(body.echo_text(), 0, False)] * body.n if body.echo_text() else None
+        if not body.echo:
+            return None
+        scored = body.num_prompt_logprobs() is not None
+        return [Echo(body.echo_text(p if body.truncate_prompt_tokens is None else ids, self.tokenizer), ids[0],
+                     scored) for p, ids in zip(body.prompts(), prompts) for _ in range(body.n)]
+
+    def _prompt_text(self, kind: str, body, ids: list[int]) -> str | None:
+        """Chat's `return_prompt_text`: the templated prompt's text (its ids decoded); None: not asked."""
+        return self.tokenizer.decode(ids) if kind == "chat" and body.return_prompt_text else None
 
 
 @serve.ingress(app)  # at import, so every process that unpickles a replica class sees the same routes (bound to

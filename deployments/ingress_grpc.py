@@ -12,7 +12,7 @@ import grpc
 from cluster.core import grammar
 from cluster.core.errors import InvalidRequestError
 from cluster.wire.codec import logprob_fields_from_pb, logprobs_to_pb, processor_fields_from_pb, text_fields_from_pb
-from deployments.chunks import ErrorChunk, FinishChunk, TokensChunk
+from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, TokensChunk
 from protos import UnreadableRequest, pb
 
 # an ErrorChunk's type -> (HTTP status, gRPC code); anything else is a server error
@@ -55,7 +55,9 @@ class GrpcRoutes:
             params = self._sampling(prompt_ids, p.max_tokens or None, temperature=p.temperature,
                                     top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
                                     stop=list(p.stop), ignore_eos=p.ignore_eos, **processor_fields_from_pb(p),
-                                    **logprob_fields_from_pb(p), **text_fields_from_pb(p))
+                                    **logprob_fields_from_pb(p), **text_fields_from_pb(p),
+                                    prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+                                    cache_salt=p.cache_salt if p.HasField("cache_salt") else None)
             if params.structured_outputs is not None:
                 await asyncio.to_thread(grammar.check, params.structured_outputs, self.vocab_size)
         except InvalidRequestError as e:
@@ -69,6 +71,9 @@ class GrpcRoutes:
                     grpc_context.set_code(ERROR_STATUS.get(chunk.type, (500, grpc.StatusCode.INTERNAL))[1])
                     grpc_context.set_details(chunk.message)
                     raise InvalidRequestError(chunk.message)
+                case PromptChunk():  # params.prompt_logprobs: before any token, tokens 1 .. of the prompt
+                    yield pb.GenerateResponse(prompt_tokens=len(prompt_ids),
+                                              prompt_logprobs=logprobs_to_pb(chunk.logprobs))
                 case TokensChunk():
                     yield pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, prompt_tokens=len(prompt_ids),
                                               logprobs=logprobs_to_pb(chunk.logprobs or ()))

@@ -161,7 +161,51 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far.")
 
 
-class _Common(_Lenient, StructuredFields):
+class _VllmFields(BaseModel):
+    """vLLM's request extensions beyond the sampling ones: the prompt's truncation and the answer's ids are served;
+    what tandem cannot honour is refused unless at its default; what changes nothing here is ignored."""
+
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_UINT32, description="Extension (vLLM): keep this many tokens of the prompt (-1: as many as the context holds less one), cut on `truncation_side`; more than the context is a 400.")
+    truncation_side: Literal["left", "right"] | None = Field(None, description="Extension (vLLM): with `truncate_prompt_tokens`, `left` keeps the last tokens, `right` the first (default: the tokenizer's side).")
+    request_id: str | None = Field(None, min_length=1, max_length=256, description="Extension (vLLM): the answer's id is `cmpl-` / `chatcmpl-` and this (default: the `X-Request-Id` header, which Serve's proxy sets when the client does not).")
+    return_tokens_as_token_ids: bool = Field(False, description="Extension (vLLM): logprobs name each token as `token_id:N` (tokens whose text is not valid UTF-8 stay identifiable).")
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024, description="Extension (vLLM): a request reuses prefill KV (the prompt cache, prefix sharing, vLLM's prefix cache) only from requests of the same salt, so a tenant cannot learn from timing what another sent.")
+    priority: Literal[0] = not_served(0, "priority scheduling (vLLM refuses a priority other than 0 too unless started with a priority policy)")
+    logprob_token_ids: None = not_served(None, "logprobs of chosen token ids (use logprobs / top_logprobs)")
+    repetition_detection: None = not_served(None, "ending on detected repetition (it would change the output)")
+    watermarking: Literal[False] = not_served(False, "watermarking (it would change the output)")
+    kv_transfer_params: None = not_served(None, "KV transfer (disaggregated prefill connectors)")
+    ec_transfer_params: None = not_served(None, "encoder-cache transfer")
+    mm_payload: None = not_served(None, "multimodal input (the target is a text model)")
+    length_penalty: float | None = ignored("beam search's length penalty (beam search is not served).")
+    spaces_between_special_tokens: bool | None = ignored("the target's fast tokenizer writes special tokens' text as it is.")
+    stream_interval: int | None = ignored("tokens per streamed chunk (tandem streams each round's tokens).")
+    session_id: str | None = ignored("a session identity across requests.")
+    vllm_xargs: dict | None = ignored("arguments of custom logits processors (none are installed).")
+    return_token_offsets: bool | None = ignored("vLLM serves it on its render routes only.")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, keep: int | None) -> int | None:
+        if keep == 0:
+            raise ValueError("must be -1 (as much as the context holds) or at least 1 (a prompt cannot be empty)")
+        return keep
+
+    def truncated(self, ids: list[int], context: int, tokenizer_side: str) -> list[int]:
+        """The prompt's ids cut as `truncate_prompt_tokens` asks (vLLM's rule; ApiError past the context)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep > context:
+            raise ApiError(400, f"truncate_prompt_tokens: {keep} is more than the context of {context} tokens",
+                           param="truncate_prompt_tokens")
+        keep = context - 1 if keep == -1 else keep
+        if len(ids) <= keep:
+            return ids
+        return ids[-keep:] if (self.truncation_side or tokenizer_side) == "left" else ids[:keep]
+
+
+class _Common(_Lenient, _VllmFields, StructuredFields):
     """Fields of both endpoints; `null` for any field means its default."""
 
     model: str = Field(description="The served model id (see GET /v1/models).")
@@ -258,6 +302,8 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(None, ge=0, le=MAX_UINT32, description="Most tokens to generate (default: the server's `default_max_tokens`, within the context length); 0 only with `echo`: the prompt is scored, nothing generated (lm-evaluation-harness's loglikelihood: `echo`, `logprobs: 1`, `max_tokens: 0`).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"Each generated token's log probability, with a dict of it and the N (0 .. {MAX_LOGPROBS}) most likely tokens at its position (vLLM's answer); with `echo`, the prompt's tokens come first (the first one's logprob is null) and the prompt is scored with N top ones unless `prompt_logprobs` says otherwise.")
     echo: bool = Field(False, description="The prompt's text goes before each choice's text (with `logprobs`, its tokens' log probabilities before the generated ones': the target's raw log-softmax as it prefills the prompt).")
+    add_special_tokens: bool = Field(True, description="Extension (vLLM): a text prompt is tokenized with the tokenizer's special tokens (BOS) where it adds any.")
+    prompt_embeds: None = not_served(None, "prompt embeddings (send text or token ids)")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"Extension (vLLM): each choice's `prompt_logprobs`, one entry per prompt token (the first null), each a dict token id -> {{logprob, rank, decoded_token}} of the prompt token and the N (0 .. {MAX_LOGPROBS}) most likely tokens at its position; always the target's raw log-softmax. Not with `stream` (N > 0), as vLLM.")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Served where it equals n (or is unset): ranking more candidates by log probability is not served.")
 

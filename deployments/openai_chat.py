@@ -108,6 +108,31 @@ class ChatCompletionRequest(_Common, TemplateFields):
     tool_choice: ToolChoice | None = Field(None, description="`none`, `auto` (the default with tools: the model's Hermes-format calls are parsed), `required` or `{'type': 'function', 'function': {'name': ...}}` (both enforced by a grammar).")
     function_call: Literal["none"] | None = not_served(None, "function calling (deprecated; use tool_choice); only 'none' is served")
     parallel_tool_calls: bool | None = Field(None, description="false: a required tool choice makes one call at most.")
+    echo: bool = Field(False, description="Extension (vLLM): each choice's content starts with the last message's when that message has the answer's role (with `add_generation_prompt: false` and `continue_final_message`: the whole assistant text, prefix and continuation).")
+    add_special_tokens: bool = Field(False, description="Extension (vLLM): the templated prompt is tokenized with the tokenizer's special tokens (BOS) added where it adds any, on top of the template's own.")
+    documents: list[dict[str, str]] | None = Field(None, max_length=64, description="Extension (vLLM): documents for a chat template that renders them (retrieval-augmented generation); a template that does not ignores them.")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(None, description="Passed to the chat template as vLLM does (`reasoning_effort`, and `enable_thinking: true` unless chat_template_kwargs sets it); a template without them ignores it.")
+    return_prompt_text: bool = Field(False, description="Extension (vLLM): the answer carries the templated prompt's text (`prompt_text`).")
+    include_reasoning: bool | None = ignored("the target writes no separate reasoning.")
+    thinking_token_budget: None = not_served(None, "a thinking budget (the target does not reason)")
+    mm_processor_kwargs: None = not_served(None, "multimodal input (the target is a text model)")
+    media_io_kwargs: None = not_served(None, "multimodal input (the target is a text model)")
+
+    def template_options(self) -> dict:
+        options = super().template_options()
+        if self.documents is not None:
+            options["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            options = {"enable_thinking": True, **options, "reasoning_effort": self.reasoning_effort}
+        return options
+
+    def echo_text(self) -> str:
+        """What vLLM's chat `echo` puts before each choice's content: the last message's text when it has the
+        answer's role (the assistant's; without a generation prompt, the last message's own: always), else ""."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.template_role() != "assistant"):
+            return ""
+        return "\n".join(p.text for p in last.content) if isinstance(last.content, list) else last.text()
 
     def tool_mode(self) -> str | None:
         """None (no tools in play), "auto", "required" or "named:<function>" (InvalidRequestError if unknown)."""

@@ -12,7 +12,8 @@ each prompt once.
 `echo` (completions, one `Echo` per choice): each choice's text starts with its prompt's, and its `logprobs`
 with the prompt tokens' (a choice's `PromptChunk`: the target's, scored as the verifier prefilled the
 prompt); streamed, the prompt comes in an event of its own before the choice's first tokens. A choice whose
-session sent a `PromptChunk` carries vLLM's `prompt_logprobs` (not streamed, as in vLLM).
+session sent a `PromptChunk` carries vLLM's `prompt_logprobs` (not streamed, as in vLLM; chat's at the top level).
+Chat's `echo` (vLLM's): the last message's text before each choice's content, streamed after the role.
 """
 
 from __future__ import annotations
@@ -165,13 +166,50 @@ def _choice(kind: Kind, index: int, text: str, finish: str | None, token_ids: li
     return out
 
 
-async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
-                  prompt_tokens: int, return_token_ids: bool,
-                  logprobs: LogprobFormat | None = None, echo: list[Echo] | None = None,
+@dataclass(frozen=True)
+class Answer:
+    """What one request's answer is written from, besides its chunks: `n` choices of `kind`, the prompt's token
+    count (`prompt_tokens`, each prompt once) and each choice's prompt ids (`prompt_ids`, written with
+    `return_token_ids`, as vLLM: a completion choice's `prompt_token_ids`, chat's top-level); `echo`: each choice's
+    (completions: text and prompt logprobs; chat: the text before its content); `prompt_text`: chat's
+    `return_prompt_text`."""
+
+    n: int
+    kind: Kind
+    request_id: str
+    model: str
+    prompt_tokens: int
+    return_token_ids: bool
+    prompt_ids: list[list[int]]
+    echo: list[Echo] | None = None
+    prompt_text: str | None = None
+
+    def top_level(self) -> dict:
+        """Chat's fields beside the choices (the non-streamed body's, the first streamed event's)."""
+        out: dict = {}
+        if self.kind == "chat" and self.return_token_ids:
+            out["prompt_token_ids"] = self.prompt_ids[0]
+        if self.prompt_text is not None:
+            out["prompt_text"] = self.prompt_text
+        return out
+
+
+def echo_chat(body: dict, echo: list[Echo] | None) -> dict:
+    """A non-streamed chat body with vLLM's `echo`: each choice's content after the echoed text (after its tool
+    calls were parsed out of it, as vLLM does)."""
+    for choice in body["choices"] if echo is not None else ():
+        choice["message"]["content"] = echo[choice["index"]].text + (choice["message"]["content"] or "")
+    return body
+
+
+async def collect(chunks: AsyncIterator[tuple[int, Chunk]], answer: Answer, logprobs: LogprobFormat | None = None,
                   prompt_format: LogprobFormat | None = None) -> dict | ErrorChunk:
-    """The non-streamed body of n choices, or the first error (the other choices are then stopped).
-    `logprobs`: the request asked for them (each choice's, of all its tokens; with `echo`, the prompt's
-    first). `prompt_format`: writes a choice's `prompt_logprobs` (where its session sent them)."""
+    """The non-streamed body of `answer.n` choices, or the first error (the other choices are then stopped).
+    `logprobs`: the request asked for them (each choice's, of all its tokens; with a completion's `echo`, the
+    prompt's first). `prompt_format`: writes the `prompt_logprobs` a session sent (a completion choice's; chat's
+    at the top level, as vLLM: the choices share the prompt). Chat's `echo` is `echo_chat`'s."""
+    n, kind = answer.n, answer.kind
+    echo = answer.echo if kind == "completion" else None
     texts, ids, lps = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
     prompts: list[list | None] = [None] * n
     finals: list[FinishChunk | None] = [None] * n
@@ -190,29 +228,38 @@ async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, 
                 finals[i] = chunk
     head = [[echo[i].first_token, *(prompts[i] or [])] if echo is not None else [] for i in range(n)]
     choices = [_choice(kind, i, (echo[i].text if echo is not None else "") + texts[i], finals[i].finish_reason,
-                       ids[i] if return_token_ids else None,
+                       ids[i] if answer.return_token_ids else None,
                        logprobs(head[i] + lps[i]) if logprobs is not None else None) for i in range(n)]
+    extra = answer.top_level()
     for i, choice in enumerate(choices):
+        if kind == "completion" and answer.return_token_ids:
+            choice["prompt_token_ids"] = answer.prompt_ids[i]
         if prompts[i] is not None and prompt_format is not None:
-            choice["prompt_logprobs"] = prompt_format.prompt(prompts[i])
-    return {"id": request_id, "object": "text_completion" if kind == "completion" else "chat.completion",
-            "created": int(time.time()), "model": model, "choices": choices,
-            "usage": usage(prompt_tokens, sum(f.completion_tokens for f in finals)),
-            "speculation": total_speculation(finals)}
+            if kind == "completion":
+                choice["prompt_logprobs"] = prompt_format.prompt(prompts[i])
+            else:
+                extra.setdefault("prompt_logprobs", prompt_format.prompt(prompts[i]))
+    return {"id": answer.request_id, "object": "text_completion" if kind == "completion" else "chat.completion",
+            "created": int(time.time()), "model": answer.model, "choices": choices,
+            "usage": usage(answer.prompt_tokens, sum(f.completion_tokens for f in finals)),
+            "speculation": total_speculation(finals), **extra}
 
 
-async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, request_id: str, model: str,
-              options: StreamOptions, prompt_tokens: int, return_token_ids: bool,
-              logprobs: LogprobFormat | None = None, echo: list[Echo] | None = None) -> AsyncIterator[str]:
-    """Server-sent events of n choices (each event carries one choice, by index); with
+async def sse(chunks: AsyncIterator[tuple[int, Chunk]], answer: Answer, options: StreamOptions,
+              logprobs: LogprobFormat | None = None) -> AsyncIterator[str]:
+    """Server-sent events of `answer.n` choices (each event carries one choice, by index); with
     `options.continuous_usage_stats` every event carries the usage so far, with `include_usage` a last
     event carries the whole request's. `logprobs`: the request asked for them; an event carries those of
     the tokens whose text it carries (`TokensChunk.settled`), the finish those still held back. `echo`:
-    each choice's first event is its prompt (with its logprobs when `scored`, at its `PromptChunk`)."""
+    each choice's first event is its prompt (with its logprobs when `scored`, at its `PromptChunk`); chat's
+    comes after the role. A choice's first event carries its `prompt_token_ids` (completions; chat's, the
+    first event's top level)."""
+    n, kind, echo, return_token_ids = answer.n, answer.kind, answer.echo, answer.return_token_ids
     created = int(time.time())
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     completion_tokens = 0
     received, released, sent_text = [[] for _ in range(n)], [0] * n, [0] * n
+    ids_sent = [kind == "chat" or not return_token_ids] * n  # a completion choice's prompt ids go out once
 
     def release(i: int, upto: int, text: str) -> dict | None:
         """Choice i's logprobs of its tokens up to `upto` not sent yet, formatted (None: none)."""
@@ -224,9 +271,9 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, requ
 
     def event(choices: list, **extra) -> str:
         if options.continuous_usage_stats:
-            extra = {"usage": usage(prompt_tokens, completion_tokens), **extra}
-        return "data: " + json.dumps({"id": request_id, "object": obj, "created": created, "model": model,
-                                      "choices": choices, **extra}) + "\n\n"
+            extra = {"usage": usage(answer.prompt_tokens, completion_tokens), **extra}
+        return "data: " + json.dumps({"id": answer.request_id, "object": obj, "created": created,
+                                      "model": answer.model, "choices": choices, **extra}) + "\n\n"
 
     def choice(i: int, text: str | None, finish: str | None, first: bool = False, token_ids=(),
                lp: dict | None = None) -> dict:
@@ -239,11 +286,13 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, requ
             out = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
         if return_token_ids:
             out["token_ids"] = list(token_ids)
+        if not ids_sent[i]:
+            out["prompt_token_ids"], ids_sent[i] = answer.prompt_ids[i], True
         return out
 
     if kind == "chat":
         for i in range(n):
-            yield event([choice(i, "", None, first=True)])
+            yield event([choice(i, "", None, first=True)], **(answer.top_level() if i == 0 else {}))
     if echo is not None and not echo[0].scored:
         for i in range(n):
             sent_text[i] += len(echo[i].text)
@@ -268,11 +317,11 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], n: int, kind: Kind, requ
             case FinishChunk():
                 finals.append(chunk)
                 lp = release(i, len(received[i]), chunk.text)
-                if chunk.text or lp is not None:
+                if chunk.text or lp is not None or not ids_sent[i]:
                     yield event([choice(i, chunk.text, None, lp=lp)])
                 yield event([choice(i, None if kind == "chat" else "", chunk.finish_reason)],
                             speculation=speculation(chunk.stats))
     else:
         if options.include_usage:
-            yield event([], usage=usage(prompt_tokens, sum(f.completion_tokens for f in finals)))
+            yield event([], usage=usage(answer.prompt_tokens, sum(f.completion_tokens for f in finals)))
     yield "data: [DONE]\n\n"

@@ -23,10 +23,15 @@ FLOOR = -9999.0  # vLLM's stand-in for -inf
 class LogprobFormat:
     """Formats one request's logprobs for its endpoint (`kind`)."""
 
-    def __init__(self, tokenizer, kind: Literal["completion", "chat"]):
-        self.tokenizer, self.kind = tokenizer, kind
+    def __init__(self, tokenizer, kind: Literal["completion", "chat"], as_token_ids: bool = False):
+        """`as_token_ids`: vLLM's `return_tokens_as_token_ids`, each token named `token_id:N` (not the prompt
+        logprobs' `decoded_token`, as in vLLM)."""
+        self.tokenizer, self.kind, self.as_token_ids = tokenizer, kind, as_token_ids
 
     def token(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_token_ids else self.decoded(token_id)
+
+    def decoded(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     def __call__(self, entries: Sequence[TokenLogprob], text_offset: int = 0) -> dict:
@@ -70,4 +75,4 @@ class LogprobFormat:
         return out
 
     def _ranked(self, token_id: int, logprob: float, rank: int | None) -> dict:
-        return {"logprob": max(logprob, FLOOR), "rank": rank, "decoded_token": self.token(token_id)}
+        return {"logprob": max(logprob, FLOOR), "rank": rank, "decoded_token": self.decoded(token_id)}

@@ -19,6 +19,7 @@ from protos import MAX_REQUEST_BYTES
 FinishReason = Literal["stop", "length", "tool_calls"]
 FINISH = "`stop`: end of sequence or a stop string; `length`: max_tokens; `tool_calls` (chat): the model called tools."
 TOKEN_IDS = "Extension (with `return_token_ids`): the generated token ids."
+PROMPT_IDS = "Extension (vLLM, with `return_token_ids`): the prompt's token ids."
 
 
 class Usage(BaseModel):
@@ -78,6 +79,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = Field(None, description=LOGPROBS + " With `echo`, the prompt's tokens come first.")
     token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description="Extension (vLLM), with `prompt_logprobs` (or `echo` with `logprobs`): per prompt token (the first null) its token id and the N most likely ones -> their log probability, rank and text.")
+    prompt_token_ids: list[int] | None = Field(None, description=PROMPT_IDS)
 
 
 class CompletionResponse(BaseModel):
@@ -128,6 +130,8 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     speculation: Speculation
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description="Extension (vLLM), with `prompt_logprobs`: per token of the templated prompt (the first null) its token id and the N most likely ones -> their log probability, rank and text.")
+    prompt_token_ids: list[int] | None = Field(None, description=PROMPT_IDS + " The templated prompt's.")
+    prompt_text: str | None = Field(None, description="Extension (vLLM), with `return_prompt_text`: the templated prompt's text.")
 
 
 class ModelCard(BaseModel):
@@ -156,6 +160,7 @@ class CompletionChunkChoice(BaseModel):
     finish_reason: FinishReason | None = Field(description=f"Set on the last chunk: {FINISH}")
     logprobs: CompletionLogprobs | None = Field(None, description=f"{LOGPROBS} Those of the tokens whose text this chunk carries.")
     token_ids: list[int] | None = Field(None, description=f"{TOKEN_IDS} New ones since the previous chunk.")
+    prompt_token_ids: list[int] | None = Field(None, description=PROMPT_IDS + " In the choice's first chunk.")
 
 
 class CompletionChunk(BaseModel):
@@ -188,6 +193,8 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(description="Unix time.")
     model: str
     choices: list[ChatChunkChoice] = Field(description="One choice; empty in the usage-only last chunk.")
+    prompt_token_ids: list[int] | None = Field(None, description=PROMPT_IDS + " The templated prompt's, in the first chunk.")
+    prompt_text: str | None = Field(None, description="Extension (vLLM), with `return_prompt_text`: the templated prompt's text, in the first chunk.")
     usage: Usage | None = Field(None, description="With `stream_options.include_usage`: in a last chunk; with `continuous_usage_stats`: in every chunk.")
     speculation: Speculation | None = Field(None, description="On the chunk that carries the finish reason.")
 

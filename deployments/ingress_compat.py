@@ -1,11 +1,16 @@
 """The routes beside OpenAI's chat, completions and Responses API that clients of `vllm serve` use, as methods of the
 ingress replica (`deployments/ingress.py`'s `IngressRoutes` takes them from `CompatRoutes`): vLLM's routes for hosts
 (`/ping`, SageMaker's `/invocations`: `deployments/openai_hosting.py`), Anthropic's Messages API (`/v1/messages`,
-`/v1/messages/count_tokens`: `deployments/anthropic_api.py`) and vLLM's tokenizer routes (`/tokenize`,
-`/detokenize`, `/version`: `deployments/openai_tokenize.py`). Each runs on the ingress's checks and sessions
-(`_authorized`, `_check_model`, `_chat_prompt`, `http`)."""
+`/v1/messages/count_tokens`: `deployments/anthropic_api.py`), vLLM's tokenizer routes (`/tokenize`, `/detokenize`,
+`/version`: `deployments/openai_tokenize.py`) and its Prometheus route (`/metrics`). Each runs on the ingress's
+checks and sessions (`_authorized`, `_check_model`, `_chat_prompt`, `http`)."""
 
+import asyncio
+
+import httpx
+import ray
 from fastapi import Request
+from fastapi.responses import PlainTextResponse, Response
 
 from cluster.core.errors import InvalidRequestError
 from deployments.anthropic_api import CountTokensRequest, MessagesRequest
@@ -19,7 +24,7 @@ from deployments.anthropic_events import (
 )
 from deployments.ingress_app import app, unauthorized
 from deployments.openai_api import CompletionRequest, parse_request
-from deployments.openai_body import ApiError, error_response, read_body
+from deployments.openai_body import ApiError, ErrorResponse, error_response, read_body
 from deployments.openai_chat import ChatCompletionRequest
 from deployments.openai_hosting import invocation_kind
 from deployments.openai_responses import (
@@ -40,6 +45,15 @@ from deployments.openai_tokenize import (
     tandem_version,
     tokenize,
 )
+
+
+def node_metrics_url() -> str:
+    """The Prometheus endpoint of the metrics agent on this process's Ray node (LookupError: none)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n.get("MetricsExportPort")), None)
+    if node is None:
+        raise LookupError(f"node {node_id} lists no metrics export port")
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 class CompatRoutes:
@@ -118,6 +132,26 @@ class CompatRoutes:
     @app.get("/version", responses={200: {"model": Version}})
     async def version(self):
         return {"version": tandem_version()}
+
+    # vLLM's Prometheus route on the API port
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus' text format."},
+                        503: {"model": ErrorResponse}})
+    async def metrics(self):
+        """This node's metrics in Prometheus' format, as Ray's metrics agent on the node exports them (tandem's,
+        prefixed `ray_tandem_`, Serve's and Ray's): the agent's answer passed on, so a scraper configured for
+        `vllm serve` finds them at the API port. Open without a key, as vLLM's. On a cluster each node's agent
+        has the metrics of the replicas on that node: scrape every node's agent (README, Metrics)."""
+        try:
+            url = await asyncio.to_thread(node_metrics_url)
+            async with httpx.AsyncClient(timeout=10) as agent:
+                answer = await agent.get(url)
+        except (httpx.HTTPError, LookupError) as e:
+            return error_response(503, f"the node's metrics agent did not answer: {e!r}"[:300],
+                                  type_="service_unavailable")
+        return Response(answer.content, status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type", "text/plain"))
 
     async def _tokenizer_route(self, request: Request, model: type, answer):
         if not self._authorized(request):

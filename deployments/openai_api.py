@@ -169,7 +169,7 @@ class _VllmFields(BaseModel):
     truncation_side: Literal["left", "right"] | None = Field(None, description="Extension (vLLM): with `truncate_prompt_tokens`, `left` keeps the last tokens, `right` the first (default: the tokenizer's side).")
     request_id: str | None = Field(None, min_length=1, max_length=256, description="Extension (vLLM): the answer's id is `cmpl-` / `chatcmpl-` and this (default: the `X-Request-Id` header, which Serve's proxy sets when the client does not).")
     return_tokens_as_token_ids: bool = Field(False, description="Extension (vLLM): logprobs name each token as `token_id:N` (tokens whose text is not valid UTF-8 stay identifiable).")
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024, description="Extension (vLLM): a request reuses prefill KV (the prompt cache, prefix sharing, vLLM's prefix cache) only from requests of the same salt, so a tenant cannot learn from timing what another sent.")
+    cache_salt: str | None = Field(None, min_length=1, max_length=128, description="Extension (vLLM): a request reuses prefill KV (the prompt cache, prefix sharing, vLLM's prefix cache) only from requests of the same salt, so a tenant cannot learn from timing what another sent; at most 128 characters, none of @ / \\ or NUL (vLLM's rule).")
     priority: Literal[0] = not_served(0, "priority scheduling (vLLM refuses a priority other than 0 too unless started with a priority policy)")
     logprob_token_ids: None = not_served(None, "logprobs of chosen token ids (use logprobs / top_logprobs)")
     repetition_detection: None = not_served(None, "ending on detected repetition (it would change the output)")

@@ -22,9 +22,10 @@ class ResponseBuilder:
 
     def __init__(self, body: ResponsesRequest, prompt_tokens: int, tokenizer):
         self.body, self.prompt_tokens = body, prompt_tokens
-        self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        self.id, self.item_id = body.request_id or f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"  # vLLM's
         self.created = int(time.time())
-        self.logprobs = LogprobFormat(tokenizer, "chat") if body.num_logprobs() is not None else None
+        self.logprobs = LogprobFormat(tokenizer, "chat", body.return_tokens_as_token_ids) \
+            if body.num_logprobs() is not None else None
         self.mode = body.tool_mode()  # tools in play: the calls are parsed out of the finished text
         self.sequence = 0
 
@@ -41,7 +42,7 @@ class ResponseBuilder:
                "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
                "tool_choice": b.tool_choice.model_dump() if isinstance(b.tool_choice, NamedFunction)
                else b.tool_choice or "auto", "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
-               "text": {"format": fmt}, "truncation": "disabled",
+               "text": {"format": fmt}, "truncation": b.truncation,
                "store": False, "background": False, "metadata": b.metadata or {}, "user": b.user, "usage": None}
         if finish is not None:
             out["usage"] = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},

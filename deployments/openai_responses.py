@@ -255,7 +255,7 @@ class ResponseObject(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | dict
     tools: list = Field(description="The request's.")
     text: dict = Field(description="`{'format': ...}` as the request gave it (`{'type': 'text'}` by default).")
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     store: Literal[False] = Field(False, description="Nothing is stored.")
     background: Literal[False] = False
     metadata: dict[str, str]

@@ -132,7 +132,7 @@ class ResponsesRequest(_Common):
     include: list[Literal["message.output_text.logprobs"]] | None = Field(None, description=f"`{LOGPROBS_INCLUDE}`: each output_text part carries its tokens' logprobs (the only extra output served).")
     store: bool | None = ignored("nothing is stored (vLLM's default); every response says store: false.")
     reasoning: dict[str, Any] | None = ignored("this model does not reason.")
-    truncation: Literal["auto", "disabled"] | None = ignored("an input longer than the context is refused, not cut.")
+    truncation: Literal["auto", "disabled"] = Field("disabled", description="`auto`: an input longer than the context is cut to fit as vLLM cuts it (`truncate_prompt_tokens: -1`, on the tokenizer's side), not refused.")
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call (its calls are `function_call` output items).")
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = Field(None, description="`none`, `auto` (the default with tools: the model's own calls are parsed), `required` or `{'type': 'function', 'name': ...}` (both enforced by a grammar).")
     parallel_tool_calls: bool | None = Field(None, description="false: a required tool choice makes one call at most.")
@@ -150,6 +150,12 @@ class ResponsesRequest(_Common):
     @classmethod
     def _items_say_what_is_wrong(cls, value: Any) -> Any:
         return first_bad_item(value, InputItem)
+
+    @model_validator(mode="after")
+    def _auto_truncation(self) -> "ResponsesRequest":
+        if self.truncation == "auto" and self.truncate_prompt_tokens is None:
+            self.truncate_prompt_tokens = -1  # vLLM's reading of `auto`
+        return self
 
     def messages(self) -> list[dict]:
         """The conversation as chat messages: consecutive function calls are one assistant message's

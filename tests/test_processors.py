@@ -123,8 +123,8 @@ def test_the_wire_carries_every_field():
 
 
 def test_the_wire_carries_the_cache_salt_set_and_unset():
-    salted = SamplingParams(max_tokens=9, cache_salt="tenant-a/ü")
-    assert params_to_pb(salted).cache_salt == "tenant-a/ü" and params_from_pb(params_to_pb(salted)) == salted
+    salted = SamplingParams(max_tokens=9, cache_salt="tenant-a ü")
+    assert params_to_pb(salted).cache_salt == "tenant-a ü" and params_from_pb(params_to_pb(salted)) == salted
     assert not params_to_pb(SamplingParams()).HasField("cache_salt")  # unset stays unset: the unsalted pool
     assert params_from_pb(params_to_pb(SamplingParams())).cache_salt is None
     empty = params_to_pb(SamplingParams())

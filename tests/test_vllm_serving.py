@@ -38,9 +38,7 @@ from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error, _generate  # noqa: E402
 from tests.test_prompt_logprobs import assert_echo_and_scoring  # noqa: E402
 from tests.vllm_doubles import replay_spec  # noqa: E402
-from tests.vllm_field_checks import (assert_cache_salt, assert_chat_echo, assert_chat_prompt_logprobs,  # noqa: E402
-                                     assert_logprob_names_and_request_id, assert_prompt_ids_and_special_tokens,
-                                     assert_truncation)
+from tests.vllm_field_checks import assert_cache_salt, assert_responses_extensions, assert_truncation  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
@@ -585,14 +583,13 @@ def test_echo_and_prompt_logprobs_are_vllms(client, tokenizer, target_fp32):
 
 
 def test_vllm_request_extensions_as_on_torch(client, tokenizer):
-    """vLLM's extensions the ingress serves (tests/vllm_field_checks.py) on the vLLM backend: truncation, the prompt's
-    ids, chat echo, logprob names and the answer's id, chat prompt logprobs, and the cache salt (vLLM's own)."""
+    """vLLM's extensions (tests/vllm_field_checks.py) where the backend is in play: the cut prompt's ids reach vLLM
+    (the same tokens as sending them), the cache salt reaches vLLM's prefix cache (vLLM refuses a malformed one in
+    its engine too: here the ingress refuses it first), Responses' id and truncation. The answer's formatting (echo,
+    logprob names, the prompt's ids) is the ingress's, the same code as the torch backend's (test_vllm_fields)."""
     assert_truncation(client, MODEL, tokenizer)
-    assert_prompt_ids_and_special_tokens(client, MODEL, tokenizer)
-    assert_chat_echo(client, MODEL)
-    assert_logprob_names_and_request_id(client, MODEL)
-    assert_chat_prompt_logprobs(client, MODEL)
     assert_cache_salt(client, MODEL)
+    assert_responses_extensions(client, MODEL)
 
 
 def test_eagle3_route_with_the_ingress_apart_serves_the_targets_tokens(server, target_fp32, tokenizer, prompt_ids,

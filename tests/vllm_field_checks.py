@@ -124,3 +124,11 @@ def assert_cache_salt(client: openai.OpenAI, model: str) -> list[int]:
             for salt in ({}, {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"})]
     assert len({tuple(c.model_extra["token_ids"]) for c in runs}) == 1
     return runs[0].model_extra["token_ids"]
+
+
+def assert_responses_extensions(client: openai.OpenAI, model: str) -> None:
+    """On `/v1/responses`: `request_id` is the response's id (vLLM's), `truncation` is echoed and
+    `truncate_prompt_tokens` cuts the templated input as on chat."""
+    r = client.responses.create(model=model, input=PROMPT, max_output_tokens=2, temperature=0, truncation="auto",
+                                extra_body={"request_id": "resp-extension-1", "truncate_prompt_tokens": 5})
+    assert r.id == "resp-extension-1" and r.truncation == "auto" and r.usage.input_tokens == 5

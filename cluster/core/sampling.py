@@ -51,15 +51,23 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output token's log probability and its this many most likely alternatives; None: none (nothing computed).")
     logprobs_mode: LogprobsMode = Field("raw_logprobs", description="Which distribution `logprobs` come from (vLLM's names): `raw_logprobs`, the target's raw logits; `processed_logprobs`, the one the token was drawn from (processors, temperature, min_p, top-k, top-p).")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each prompt token's log probability (all but the first) and its this many most likely alternatives, computed by the verifier as it prefills the prompt; always the log-softmax of the target's raw logits (vLLM's prompt logprobs skip the processors in any mode); None: none.")
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024, description=(
+    cache_salt: str | None = Field(None, min_length=1, max_length=128, description=(
         "vLLM's prefix-cache salt: prefill KV is reused only from requests with the same salt (the torch backend's "
-        "prompt cache and shared prefills, vLLM's prefix cache); None: only from unsalted ones. Output is unchanged."))
+        "prompt cache and shared prefills, vLLM's prefix cache); None: only from unsalted ones. Output is unchanged. "
+        "vLLM's rule: at most 128 characters, none of @ / \\ or NUL."))
     # how the output's text is written (the tokens are the same either way; vLLM's names)
     include_stop_str_in_output: bool = Field(False, description="The text keeps the stop string that ended it (and a final stop token id's or EOS's text), as vLLM does.")
     skip_special_tokens: bool = Field(True, description="Special tokens' text is left out of the output text.")
     # set by the decoding engine for a session, not by clients (`for_session`)
     prompt_length: int | None = Field(None, ge=0, description="Internal: how many leading committed tokens are the prompt (None: those a session opens with).")
     eos_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64, description="Internal: the model's end-of-sequence ids (held back by min_tokens).")
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_as_vllm(cls, salt: str | None) -> str | None:
+        if salt is not None and any(c in salt for c in "@/\\\0"):
+            raise ValueError("must not contain '@', '/', '\\' or NUL (vLLM's rule)")
+        return salt
 
     @field_validator("stop")
     @classmethod

@@ -414,7 +414,8 @@ def test_invalid_config_names_the_field(tmp_path):
 
 
 def test_prometheus_metrics_exported(server, client):
-    """Ray's metrics agent exports tandem's metrics (after the requests above) in Prometheus format."""
+    """Ray's metrics agent exports tandem's metrics (after the requests above) in Prometheus format, and the API
+    port's `/metrics` passes the agent's answer on."""
     client.completions.create(model=MODEL, prompt=PROMPTS[0][0], max_tokens=8, temperature=0)
     node = ray._private.worker.global_worker.node
     url = f"http://127.0.0.1:{node.metrics_export_port}/metrics"
@@ -431,6 +432,9 @@ def test_prometheus_metrics_exported(server, client):
     assert not missing, f"not exported: {missing}"
     generated = [line for line in text.splitlines() if line.startswith("ray_tandem_generated_tokens_total{")]
     assert generated and float(generated[0].rsplit(" ", 1)[1]) >= MAX_TOKENS
+    served = httpx.get(server.http + "/metrics", timeout=30)  # the API port's route (vLLM's), no key asked as in vLLM
+    assert served.status_code == 200 and served.headers["content-type"].startswith("text/plain")
+    assert all(name in served.text for name in wanted)
 
 
 def _target_logprobs(model, prompt: list[int], output: list[int]):

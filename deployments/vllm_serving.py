@@ -46,7 +46,8 @@ from cluster.vllm.eagle3 import checked_eagle3_dir, eagle3_speculative_config
 from cluster.vllm.engine import from_vllm_logprobs, to_vllm_params, to_vllm_prompt
 from cluster.vllm.openmp import engine_processes_on_intel_openmp
 from cluster.vllm.proposer import PROPOSER_CLASS
-from cluster.vllm.protocol import DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens, inline_matches
+from cluster.vllm.protocol import (DrafterSpec, InlineMatches, RayDrafter, RequestKey, engine_draft_tokens,
+                                   inline_matches, salt_group)
 from cluster.vllm.worker import WORKER_EXTENSION
 from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, SessionProgress, StepFinish, StepTokens, TokensChunk
 from deployments.config import TandemAppConfig
@@ -233,7 +234,7 @@ class TandemLLMServer(_server_base()):
         started = None
         scoring = sampling.max_tokens == 0  # the prompt scored only: vLLM's one token is dropped, no drafts
         # vLLM's request id and the drafter's session
-        session = str(RequestKey(session, 0 if scoring else max_speculative_tokens))
+        session = str(RequestKey(session, 0 if scoring else max_speculative_tokens, salt_group(sampling.cache_salt)))
         # the draft's prefill runs while the target's does
         if self.drafter is not None and max_speculative_tokens != 0 and not scoring:
             started = self.drafter.start.remote(session, list(prompt_ids), sampling)

@@ -215,59 +215,64 @@ class SuffixPool:
     tree of responses, kept as a bounded pool). Outputs are indexed by their `ngram`-token n-grams (a match
     starts from one), newest first; the oldest leave once the pool holds more than `max_tokens` tokens. Like
     every match the drafts depend only on committed tokens; the caller keeps them from a seeded sampled request
-    whose seed made a pooled output (tandem's proposer uses the pool for greedy and unseeded requests only)."""
+    whose seed made a pooled output (tandem's proposer uses the pool for greedy and unseeded requests only).
+    Each output is pooled under a `group` (a request's cache salt's, `cluster.vllm.protocol.salt_group`; None:
+    unsalted) and matched only by sessions of that group: drafts never come from another tenant's text, so how
+    fast a tenant's request runs does not tell it what another was sent. One budget holds every group."""
 
     def __init__(self, max_tokens: int = 65536, ngram: int = 3, max_match: int = 16, max_candidates: int = 64):
         if not (max_tokens > 0 and max_match >= ngram >= 1 and max_candidates >= 1):
             raise ValueError("SuffixPool needs max_tokens > 0, max_match >= ngram >= 1 and max_candidates >= 1")
         self.max_tokens, self.ngram, self.max_match, self.max_candidates = max_tokens, ngram, max_match, max_candidates
-        self._outputs: dict[int, list[int]] = {}  # by age, oldest first
-        self._index: dict[tuple[int, ...], deque[tuple[int, int]]] = {}  # n-gram -> (output, start), oldest first
+        self._outputs: dict[int, tuple[str | None, list[int]]] = {}  # (group, tokens) by age, oldest first
+        self._index: dict[tuple, deque[tuple[int, int]]] = {}  # (group, *n-gram) -> (output, start), oldest first
         self._next = 0
         self.tokens = 0
 
     def __len__(self) -> int:
         return len(self._outputs)
 
-    def add(self, output: Sequence[int]) -> None:
-        """A finished session's output joins the pool (one too short to hold an n-gram and its next token is left out)."""
+    def add(self, output: Sequence[int], group: str | None = None) -> None:
+        """A finished session's output joins the pool under `group` (one too short to hold an n-gram and its next
+        token is left out)."""
         n = self.ngram
         if len(output) <= n:
             return
         key, tokens = self._next, list(output[-self.max_tokens:])
         self._next += 1
-        self._outputs[key] = tokens
+        self._outputs[key] = (group, tokens)
         for start in range(len(tokens) - n):  # a token follows each
-            self._index.setdefault(tuple(tokens[start:start + n]), deque()).append((key, start))
+            self._index.setdefault((group, *tokens[start:start + n]), deque()).append((key, start))
         self.tokens += len(tokens)
         while self.tokens > self.max_tokens:
             self._evict()
 
     def _evict(self) -> None:
-        key, tokens = next(iter(self._outputs.items()))
+        key, (group, tokens) = next(iter(self._outputs.items()))
         del self._outputs[key]
         self.tokens -= len(tokens)
         n = self.ngram
-        for gram in {tuple(tokens[start:start + n]) for start in range(len(tokens) - n)}:
+        for gram in {(group, *tokens[start:start + n]) for start in range(len(tokens) - n)}:
             spots = self._index[gram]
             while spots and spots[0][0] == key:  # the oldest output's entries lead every deque
                 spots.popleft()
             if not spots:
                 del self._index[gram]
 
-    def match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
-        """(up to `k` tokens that followed the longest match of `tokens`' suffix in the pool, the match's length,
-        extended back up to `max_match`); the newest output on ties; ([], 0) when the last n-gram is not there."""
+    def match(self, tokens: Sequence[int], k: int, group: str | None = None) -> tuple[list[int], int]:
+        """(up to `k` tokens that followed the longest match of `tokens`' suffix in `group`'s outputs, the match's
+        length, extended back up to `max_match`); the newest output on ties; ([], 0) when the last n-gram is not
+        there."""
         n, length = self.ngram, len(tokens)
         if k <= 0 or length < n:
             return [], 0
-        spots = self._index.get(tuple(tokens[length - n:]))
+        spots = self._index.get((group, *tokens[length - n:]))
         if not spots:
             return [], 0
         best, best_len = None, 0
         for i in range(len(spots) - 1, max(-1, len(spots) - 1 - self.max_candidates), -1):  # newest first
             key, start = spots[i]
-            seq = self._outputs[key]
+            seq = self._outputs[key][1]
             match = extended_match(tokens, seq, start, n, self.max_match)
             if match > best_len:
                 best, best_len = (seq, start), match
@@ -288,13 +293,13 @@ class PooledPricedMatch:
             own.max_tokens, pool.max_match, min(own.max_ngram, pool.ngram), own.threshold, own.per_row, own.weight,
             own.match_factor, own.busy_rows)
 
-    def propose(self, tokens: Sequence[int], limit: int, rows: int = 1, use_pool: bool = True
-                ) -> tuple[list[int], int, bool]:
+    def propose(self, tokens: Sequence[int], limit: int, rows: int = 1, use_pool: bool = True,
+                group: str | None = None) -> tuple[list[int], int, bool]:
         draft, match = self.own.propose(tokens, limit, rows)
         k = min(limit, self.own.max_tokens)
         if self.pool is None or not use_pool or k <= 0 or match >= self.pool.max_match:
             return draft, match, False
-        pooled, pool_match = self.pool.match(tokens, k)
+        pooled, pool_match = self.pool.match(tokens, k, group)  # only the session's own group's outputs
         if pool_match <= match:
             return draft, match, False
         return self.pooled.cut(pooled, pool_match, rows), pool_match, True

@@ -104,6 +104,33 @@ def test_the_suffix_pool_finds_the_longest_match_in_earlier_outputs_and_forgets_
     assert all(pool._index.values())  # no empty entry left behind
 
 
+def test_the_pool_matches_only_outputs_of_the_sessions_own_salt_group():
+    """Each output is pooled under its request's salt group and matched only by that group (None: unsalted), through
+    the pool, the priced matches over it and the vLLM proposer's matcher (tracked, then pooled when gone); one budget
+    holds every group, and eviction leaves no empty entry."""
+    from cluster.vllm.proposer import InlineMatcher
+    from cluster.vllm.protocol import InlineMatches
+    from drafts.suffix import PooledPricedMatch, PricedMatch, SuffixPool
+
+    pool = SuffixPool(max_tokens=24, ngram=3, max_match=6)
+    pool.add([1, 2, 3, 4, 5, 6], "a" * 16)
+    pool.add([1, 2, 3, 7, 7, 7], None)
+    assert pool.match([0, 1, 2, 3], 2, "a" * 16) == ([4, 5], 3) and pool.match([0, 1, 2, 3], 2) == ([7, 7], 3)
+    assert pool.match([0, 1, 2, 3], 2, "b" * 16) == ([], 0)
+    pool.add([9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], "b" * 16)  # 26 tokens: group a's output, the oldest, leaves
+    assert pool.match([0, 1, 2, 3], 2, "a" * 16) == ([], 0) and pool.match([9, 9, 9], 1, "b" * 16) == ([9], 3)
+    assert all(pool._index.values())
+    matcher = PooledPricedMatch(PricedMatch(max_tokens=4, max_match=8), pool)
+    assert matcher.propose([0, 1, 2, 3], 4, group="b" * 16) == ([], 0, False)
+    assert matcher.propose([0, 1, 2, 3], 4)[2] is True  # the unsalted output, for an unsalted request
+
+    inline = InlineMatcher(InlineMatches(kind="priced", max_tokens=4, pool_tokens=100))
+    inline.track("r1", 2, [50, 51, 10, 11, 12, 13, 14, 15, 16], "c" * 16)  # prompt 50 51, then its output
+    assert inline.pool_finished(set()) == 1
+    assert inline.propose([1, 10, 11, 12, 13], 4, 1, use_pool=True, group="c" * 16)[2] is True
+    assert inline.propose([1, 10, 11, 12, 13], 4, 1, use_pool=True) == ([], 0, False)  # unsalted: not c's text
+
+
 def test_pooled_priced_matches_draft_from_the_pool_only_where_it_matches_longer():
     from drafts.suffix import PooledPricedMatch, PricedMatch, SuffixPool
 

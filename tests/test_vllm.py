@@ -28,7 +28,8 @@ from cluster.vllm import engine as ve  # noqa: E402
 from cluster.vllm import patch  # noqa: E402
 from cluster.vllm.engine import RemoteDrafter, VLLMEngine, build_vllm_decoder, drafter_spec  # noqa: E402
 from cluster.vllm.proposer import TandemProposer  # noqa: E402
-from cluster.vllm.protocol import DrafterSpec, InlineMatches, engine_draft_tokens, inline_matches  # noqa: E402
+from cluster.vllm.protocol import (DrafterSpec, InlineMatches, RequestKey, engine_draft_tokens,  # noqa: E402
+                                   inline_matches, salt_group)
 from deployments.cli import main  # noqa: E402
 from tests.vllm_doubles import faulty_spec, replay_spec  # noqa: E402
 
@@ -620,7 +621,7 @@ def test_priced_inline_matches_learn_from_vllms_verdicts():
 def test_finished_requests_outputs_draft_for_greedy_and_unseeded_requests():
     """Proposer suffix's pool on vLLM: a request's output joins the pool when it leaves the batch; a greedy
     request and an unseeded sampled one whose own tokens match nothing then draft its continuation; a seeded
-    sampled request does not (its seed may have made that output)."""
+    sampled request does not (its seed may have made that output), nor a request of another cache salt's group."""
     proposer = TandemProposer(None)
     proposer.k = 8
     matches = InlineMatches(kind="priced", max_tokens=8, max_match=8, pool_tokens=1000)
@@ -631,14 +632,17 @@ def test_finished_requests_outputs_draft_for_greedy_and_unseeded_requests():
     ids[0, :12] = [1, 2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]  # prompt of 2, then an output with no repeat
     proposer.propose([[40]], np.array([3]), ids)  # its first step: prompt length 2
     assert proposer.propose([[49]], np.array([12]), ids) == [[]]  # its own tokens match nothing
-    runner.input_batch.req_ids, runner.requests = ["b", "c", "d"], dict.fromkeys(["b", "c", "d"])
-    runner.input_batch.greedy_reqs, runner.input_batch.generators = {"b"}, {2: object()}  # d is seeded
-    for row in range(3):
+    salted = str(RequestKey("e", None, salt_group("tenant-e")))  # greedy, with a cache salt: a's text is not its
+    runner.input_batch.req_ids = ["b", "c", "d", salted]
+    runner.requests = dict.fromkeys(runner.input_batch.req_ids)
+    runner.input_batch.greedy_reqs, runner.input_batch.generators = {"b", salted}, {2: object()}  # d is seeded
+    ids = np.zeros((4, 32), dtype=np.int64)
+    for row in range(4):
         ids[row, :5] = [7, 8, 43, 44, 45]
-    out = proposer.propose([[45]] * 3, np.array([5] * 3), ids)  # "a" left the batch: pooled
+    out = proposer.propose([[45]] * 4, np.array([5] * 4), ids)  # "a" left the batch: pooled
     assert proposer.stats["pool_outputs"] == 1 and len(proposer._match.pool) == 1
     assert out[0] and out[0] == [46, 47, 48, 49][:len(out[0])] and out[1] == out[0]  # b greedy, c unseeded
-    assert out[2] == [] and proposer.stats["pooled_rows"] == 2
+    assert out[2] == [] and out[3] == [] and proposer.stats["pooled_rows"] == 2
     assert proposer._verdicts["b"][2] is True  # the pool's table hears the verdict
 
 

@@ -26,7 +26,7 @@ from cluster.core.errors import ConfigError  # noqa: E402
 from cluster.core.messages import SyncOp  # noqa: E402
 from cluster.vllm.client import make_client  # noqa: E402
 from cluster.vllm.engine import drafter_spec  # noqa: E402
-from cluster.vllm.protocol import DrafterSpec, ProposerImport, RequestKey  # noqa: E402
+from cluster.vllm.protocol import DrafterSpec, ProposerImport, RequestKey, salt_group  # noqa: E402
 from deployments.config import TandemAppConfig  # noqa: E402
 from protos import pb, rpc  # noqa: E402
 from tests.helpers import (SERVE_PROMPTS, assert_stop_string, assert_text_options, serve_app,  # noqa: E402
@@ -89,6 +89,16 @@ def test_request_ids_carry_the_per_request_cap():
         RequestKey("s", -1)
     assert RequestKey.from_vllm("tandem-ab12~k0-1a2b3c4d") == "tandem-ab12~k0"
     assert RequestKey.from_vllm("short") == "short" and RequestKey.from_vllm("-1a2b3c4d") == "-1a2b3c4d"
+    # a salted request's group (a digest of its cache salt, never the salt) before the cap; both read back
+    group = salt_group("tenant-a")
+    assert group == salt_group("tenant-a") != salt_group("tenant-b") and len(group) == 16 and salt_group(None) is None
+    key = RequestKey("tandem-ab12", 2, group)
+    assert str(key) == f"tandem-ab12~g{group}~k2" and "tenant" not in str(key)
+    assert RequestKey.parse(str(key)) == key and RequestKey.parse(RequestKey.from_vllm(f"{key}-1a2b3c4d")) == key
+    assert RequestKey.parse(str(RequestKey("s", None, group))) == RequestKey("s", None, group)
+    assert RequestKey.parse("s~gnothex") == RequestKey("s~gnothex") and RequestKey.parse(f"~g{group}").group is None
+    with pytest.raises(ValueError):
+        RequestKey("s", None, "tenant-a")
 
 
 def test_drafter_spec_names_one_drafter_and_keeps_it_across_tuning():

@@ -158,10 +158,11 @@ class EagleMatches:
                 self.stats["plain_rows"] += 1
                 out[i] = []
                 continue
-            self.matcher.track(rid, int(batch.num_prompt_tokens[i]), history)  # its output joins the pool when it ends
+            group = RequestKey.parse(RequestKey.from_vllm(rid)).group  # its cache salt's: pooled among its own
+            self.matcher.track(rid, int(batch.num_prompt_tokens[i]), history, group)  # pooled when it ends
             row = [] if rid in self.stale else out[i][:cap]
             use_pool = self.matcher.pool is not None and may_pool(self.runner, rid, i)
-            draft, match, pooled = self.matcher.propose(history, cap, active, use_pool)
+            draft, match, pooled = self.matcher.propose(history, cap, active, use_pool, group)
             if draft and self.matcher.pooled.expected(match, len(draft), pooled) > self.chain.expected(len(row)):
                 out[i] = draft
                 self.given[rid] = (len(history), draft, match, pooled, True)

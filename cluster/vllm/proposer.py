@@ -169,8 +169,9 @@ class TandemProposer:
             self.stats["rows"] += 1
             history = token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist()
             key = self._key(req_ids[i])
-            # the cap is in the id the front door gave (vLLM's internal id adds a suffix), drafter or not
-            cap = RequestKey.parse(RequestKey.from_vllm(req_ids[i])).cap
+            # the cap and salt group are in the id the front door gave (vLLM's internal id adds a suffix)
+            request_key = RequestKey.parse(RequestKey.from_vllm(req_ids[i]))
+            cap = request_key.cap
             if cap == 0:  # this request asked for plain decoding
                 self.stats["plain_rows"] += 1
                 out.append([])
@@ -189,9 +190,9 @@ class TandemProposer:
                     self._match.learn(given[0], given[1], accepted, given[2])
                     self.stats["inline_verdicts"] += 1
                     self.stats["inline_verdict_accepted"] += accepted
-                self._match.track(key, len(history) - num_new, history)
+                self._match.track(key, len(history) - num_new, history, request_key.group)
                 use_pool = self._match.pool is not None and may_pool(self.runner, req_ids[i], i)
-                draft, match, pooled = self._match.propose(history, limit, active, use_pool)
+                draft, match, pooled = self._match.propose(history, limit, active, use_pool, request_key.group)
                 if draft:
                     self._verdicts[key] = (match, len(draft), pooled)
                     self.stats["pooled_rows"] += int(pooled)
@@ -337,11 +338,14 @@ class InlineMatcher:
         self.pool = SuffixPool(matches.pool_tokens, matches.max_ngram, matches.max_match) \
             if self.priced is not None and matches.pool_tokens else None
         self.pooled = PooledPricedMatch(self.priced, self.pool) if self.priced is not None else None
-        self.outputs: dict[str, tuple[int, list[int]]] = {}  # request -> (prompt length, committed tokens), for the pool
+        # request -> (prompt length, committed tokens, salt group), for the pool
+        self.outputs: dict[str, tuple[int, list[int], str | None]] = {}
 
-    def propose(self, history: list[int], limit: int, rows: int, use_pool: bool = False) -> tuple[list[int], int, bool]:
+    def propose(self, history: list[int], limit: int, rows: int, use_pool: bool = False,
+                group: str | None = None) -> tuple[list[int], int, bool]:
+        """`group`: the request's salt group (`RequestKey.group`): pooled drafts come from its group's outputs."""
         if self.pooled is not None:
-            return self.pooled.propose(history, limit, rows, use_pool)
+            return self.pooled.propose(history, limit, rows, use_pool, group)
         if self.own is not None:
             return self.own.propose(history, limit), 0, False
         return ngram_lookup(history, min(limit, self.matches.max_tokens), self.matches.max_ngram), 0, False
@@ -350,18 +354,18 @@ class InlineMatcher:
         if self.pooled is not None:
             self.pooled.learn(match, drafted, accepted, pooled)
 
-    def track(self, key: str, prompt: int, history: list[int]) -> None:
+    def track(self, key: str, prompt: int, history: list[int], group: str | None = None) -> None:
         """Request `key`'s committed tokens so far (its prompt: the first `prompt` of them when first tracked); its
-        output joins the pool when it ends. Nothing without a pool."""
+        output joins the pool, under its salt `group`, when it ends. Nothing without a pool."""
         if self.pool is not None:
-            self.outputs[key] = (self.outputs.get(key, (prompt, None))[0], history)
+            self.outputs[key] = (self.outputs.get(key, (prompt,))[0], history, group)
 
     def pool_finished(self, live: set[str]) -> int:
         """Tracked requests no longer `live` (finished or aborted): their outputs join the pool. How many."""
         gone = [k for k in self.outputs if k not in live]
         for key in gone:
-            prompt, history = self.outputs.pop(key)
-            self.pool.add(history[prompt:])
+            prompt, history, group = self.outputs.pop(key)
+            self.pool.add(history[prompt:], group)
         return len(gone)
 
 

@@ -5,13 +5,15 @@
   through `collective_rpc("tandem_configure", args=(spec.wire(),))` (vLLM carries plain data only:
   the worker validates the dict back into a `DrafterSpec`).
 - `RequestKey`: the request id the front door gives vLLM, `<session>~k<n>` when the request caps its
-  own drafts at n tokens (0 = plain decoding); the proposer reads the cap back from vLLM's request id.
+  own drafts at n tokens (0 = plain decoding), with `~g<group>` before it for a request with a `cache_salt`
+  (a digest of it, `salt_group`); the proposer reads both back from vLLM's request id.
 
 Pure (pydantic and the engine config): importable without vLLM.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -120,31 +122,47 @@ class DrafterSpec(BaseModel):
 
 
 REQUEST_CAP_SEP = "~k"
+REQUEST_GROUP_SEP = "~g"
+GROUP_LEN = 16  # hex digits of a salt group
 VLLM_SUFFIX_LEN = 9  # vLLM appends "-" and 8 random characters to the request id it is given
+
+
+def salt_group(cache_salt: str | None) -> str | None:
+    """The pool group of a request's `cache_salt` (None: unsalted): a digest, so the salt itself is in no request
+    id (vLLM logs them). Requests share the matches' pool of finished outputs only within one group."""
+    return None if cache_salt is None else hashlib.sha256(cache_salt.encode()).hexdigest()[:GROUP_LEN]
 
 
 @dataclass(frozen=True)
 class RequestKey:
     """The request id the front door gives vLLM for a session, which is also the drafter's session:
-    `session`, with the request's own cap on draft tokens appended (`~k<n>`) when it has one."""
+    `session`, with the request's salt group (`~g<16 hex>`, `salt_group`) and its own cap on draft tokens
+    (`~k<n>`) appended when it has them."""
 
     session: str
     cap: int | None = None  # 0: plain decoding, no drafts and no drafter session
+    group: str | None = None  # the cache salt's group (None: unsalted)
 
     def __post_init__(self) -> None:
         if self.cap is not None and self.cap < 0:
             raise ValueError(f"a request's draft cap is >= 0, not {self.cap}")
+        if self.group is not None and not _is_group(self.group):
+            raise ValueError(f"a salt group is {GROUP_LEN} lowercase hex digits, not {self.group!r}")
 
     def __str__(self) -> str:
-        return self.session if self.cap is None else f"{self.session}{REQUEST_CAP_SEP}{int(self.cap)}"
+        group = "" if self.group is None else f"{REQUEST_GROUP_SEP}{self.group}"
+        return self.session + group + ("" if self.cap is None else f"{REQUEST_CAP_SEP}{int(self.cap)}")
 
     @classmethod
     def parse(cls, key: str) -> "RequestKey":
-        """The key `str(RequestKey(...))` made; a key without a cap (or nothing before it) has cap None."""
+        """The key `str(RequestKey(...))` made; a key without a cap or group (or nothing before them) has None."""
         head, sep, tail = key.rpartition(REQUEST_CAP_SEP)
-        if sep and head and tail.isascii() and tail.isdigit():
-            return cls(head, int(tail))
-        return cls(key)
+        cap = int(tail) if sep and head and tail.isascii() and tail.isdigit() else None
+        rest = head if cap is not None else key
+        head, sep, tail = rest.rpartition(REQUEST_GROUP_SEP)
+        if sep and head and _is_group(tail):
+            return cls(head, cap, tail)
+        return cls(rest, cap)
 
     @staticmethod
     def from_vllm(internal_id: str) -> str:
@@ -152,6 +170,10 @@ class RequestKey:
         if len(internal_id) > VLLM_SUFFIX_LEN and internal_id[-VLLM_SUFFIX_LEN] == "-":
             return internal_id[:-VLLM_SUFFIX_LEN]
         return internal_id
+
+
+def _is_group(text: str) -> bool:
+    return len(text) == GROUP_LEN and all(c in "0123456789abcdef" for c in text)
 
 
 INLINE_ONLY = ("ngram", "suffix")  # proposers whose drafts are all made in vLLM's step: no drafter at all

@@ -289,7 +289,8 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
         """Each choice's `echo` (None: none): a completion's prompt text (its ids decoded where they were cut),
         scored where its prompt logprobs are asked; chat's, the last message's text (`echo_text`)."""
         if kind == "chat":
-            return [Echo(body.echo_text(), 0, False)] * body.n if body.echo_text() else None
+            text = body.echo_text()
+            return [Echo(text, 0, False)] * body.n if text else None
         if not body.echo:
             return None
         scored = body.num_prompt_logprobs() is not None

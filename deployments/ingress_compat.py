@@ -6,6 +6,7 @@ ingress replica (`deployments/ingress.py`'s `IngressRoutes` takes them from `Com
 checks and sessions (`_authorized`, `_check_model`, `_chat_prompt`, `http`)."""
 
 import asyncio
+import functools
 
 import httpx
 import ray
@@ -47,8 +48,9 @@ from deployments.openai_tokenize import (
 )
 
 
+@functools.cache  # a node's agent keeps its port: one look at the cluster's node table per process, not per scrape
 def node_metrics_url() -> str:
-    """The Prometheus endpoint of the metrics agent on this process's Ray node (LookupError: none)."""
+    """The Prometheus endpoint of the metrics agent on this process's Ray node (LookupError, not kept: none)."""
     node_id = ray.get_runtime_context().get_node_id()
     node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n.get("MetricsExportPort")), None)
     if node is None:

@@ -106,8 +106,10 @@ class EagleMatches:
         def propose(num_speculative_tokens, *args, **kwargs):
             batch = self.runner.input_batch
             req_ids = list(batch.req_ids)
-            # per row: its draft cap (`RequestKey`; None: none) and the tokens it has sampled so far (0: prefilling)
-            caps = [RequestKey.parse(RequestKey.from_vllm(rid)).cap for rid in req_ids]
+            # per row: its key (`RequestKey`: draft cap, None: none; salt group) and the tokens it has sampled so far
+            # (0: prefilling)
+            keys = [RequestKey.parse(RequestKey.from_vllm(rid)) for rid in req_ids]
+            caps = [key.cap for key in keys]
             sampled = (batch.num_tokens_no_spec[:len(req_ids)] - batch.num_prompt_tokens[:len(req_ids)]).tolist()
             # EAGLE-3 drafts no more than the rows that can take its drafts allow (none: no forward at all)
             takers = [c for rid, c in zip(req_ids, caps) if c != 0 and rid not in self.stale]
@@ -125,7 +127,7 @@ class EagleMatches:
                 drafts = original(gamma, *args, **kwargs).tolist()
             try:
                 with self._lock:
-                    return self._merge(drafts, num_speculative_tokens, caps, sampled)
+                    return self._merge(drafts, num_speculative_tokens, keys, sampled)
             except Exception:  # noqa: BLE001 - an exception here would kill vLLM's engine
                 log.exception("tandem's matches in vLLM's EAGLE-3 proposer failed; EAGLE-3's drafts for this step")
                 self.stats["proposer_errors"] += 1
@@ -134,7 +136,8 @@ class EagleMatches:
         drafter.propose = propose
         self.runner._tandem_eagle_matches = self
 
-    def _merge(self, eagle: list[list[int]], limit: int, caps: list[int | None], sampled: list[int]) -> list[list[int]]:
+    def _merge(self, eagle: list[list[int]], limit: int, keys: list[RequestKey], sampled: list[int]
+               ) -> list[list[int]]:
         batch = self.runner.input_batch
         req_ids = batch.req_ids
         self.stats["steps"] += 1
@@ -153,12 +156,12 @@ class EagleMatches:
             history = batch.token_ids_cpu[i, : int(batch.num_tokens_no_spec[i])].tolist()
             self._verdict(rid, history)
             self.stats["rows"] += 1
-            cap = limit if caps[i] is None else min(limit, caps[i])
+            cap = limit if keys[i].cap is None else min(limit, keys[i].cap)
             if cap == 0:  # this request asked for plain decoding
                 self.stats["plain_rows"] += 1
                 out[i] = []
                 continue
-            group = RequestKey.parse(RequestKey.from_vllm(rid)).group  # its cache salt's: pooled among its own
+            group = keys[i].group  # its cache salt's: pooled among its own group only
             self.matcher.track(rid, int(batch.num_prompt_tokens[i]), history, group)  # pooled when it ends
             row = [] if rid in self.stale else out[i][:cap]
             use_pool = self.matcher.pool is not None and may_pool(self.runner, rid, i)

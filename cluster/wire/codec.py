@@ -57,10 +57,16 @@ def text_fields_from_pb(msg) -> dict:
 
 
 def logprob_fields_from_pb(msg) -> dict:
-    """`logprobs` and `logprobs_mode` of a pb.SamplingParams as `SamplingParams` keywords (the public
-    `Generation` API's too)."""
+    """`logprobs`, `logprobs_mode` and `prompt_logprobs` of a pb.SamplingParams as `SamplingParams` keywords (the
+    public `Generation` API's too; sessions carry prompt logprobs in `OpenRequest`, so theirs is unset)."""
     return dict(logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-                logprobs_mode=msg.logprobs_mode or "raw_logprobs")
+                logprobs_mode=msg.logprobs_mode or "raw_logprobs",
+                prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
+
+
+def cache_salt_from_pb(msg) -> str | None:
+    """A pb.SamplingParams' `cache_salt` (None: unset; the public `Generation` API's too)."""
+    return msg.cache_salt if msg.HasField("cache_salt") else None
 
 
 def processor_fields_from_pb(msg) -> dict:
@@ -95,7 +101,7 @@ def params_from_pb(msg) -> SamplingParams:
         top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
         ignore_eos=msg.ignore_eos, **processor_fields_from_pb(msg), **logprob_fields_from_pb(msg),
         **text_fields_from_pb(msg), prompt_length=msg.prompt_length if msg.HasField("prompt_length") else None,
-        eos_token_ids=list(msg.eos_token_ids), cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None)
+        eos_token_ids=list(msg.eos_token_ids), cache_salt=cache_salt_from_pb(msg))
 
 
 # -- draft proposals ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from ray import serve
 
 from cluster.core import grammar
 from cluster.core.errors import InvalidRequestError
-from cluster.core.sampling import SamplingParams
+from cluster.core.sampling import SamplingParams, prediction_seed
 from cluster.core.validation import validate_request
 from cluster.model import models
 from deployments import openai_tools
@@ -100,6 +100,7 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
         limit = self.config.max_tokens_limit
         if limit is not None and max_tokens > limit:
             raise InvalidRequestError(f"max_tokens: {max_tokens} exceeds this server's limit of {limit}")
+        fields["seed"] = prediction_seed(fields.get("seed"), fields.get("temperature", 0.0), fields.get("prediction"))
         params = SamplingParams.build(max_tokens=max_tokens, **fields)
         validate_request(prompt_ids, params, self.context_limit, self.tokenizer, self.vocab_size)
         if self.config.engine.backend == "vllm" and params.vllm_refused_fields:
@@ -120,6 +121,7 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
                               include_stop_str_in_output=body.include_stop_str_in_output,
                               skip_special_tokens=body.skip_special_tokens, structured_outputs=body.structured(),
                               cache_salt=body.cache_salt,
+                              prediction=body.prediction.token_ids(self.tokenizer) if body.prediction else None,
                               **body.processor_fields(self.tokenizer), **body.logprob_fields())
 
     def _chat_ids(self, messages: list[dict], tools=None, tool_mode: str | None = None,
@@ -272,7 +274,7 @@ class IngressRoutes(GrpcRoutes, CompatRoutes):
             if params[0].logprobs is not None else None
         answer = Answer(choices, kind, request_id, body.model, prompt_tokens, body.return_token_ids,
                         [ids for ids in prompts for _ in range(body.n)], self._echoes(kind, body, prompts),
-                        self._prompt_text(kind, body, prompts[0]))
+                        self._prompt_text(kind, body, prompts[0]), params[0].prediction)
         tools = body.tool_mode() if kind == "chat" else None  # tool calls parsed out of each choice's text
         if body.stream:
             events = sse(chunks, answer, body.usage_options(), logprobs)

@@ -11,8 +11,8 @@ import grpc
 
 from cluster.core import grammar
 from cluster.core.errors import InvalidRequestError
-from cluster.wire.codec import (cache_salt_from_pb, logprob_fields_from_pb, logprobs_to_pb, processor_fields_from_pb,
-                                text_fields_from_pb)
+from cluster.wire.codec import (cache_salt_from_pb, logprob_fields_from_pb, logprobs_to_pb, prediction_from_pb,
+                                processor_fields_from_pb, text_fields_from_pb)
 from deployments.chunks import ErrorChunk, FinishChunk, PromptChunk, TokensChunk
 from protos import UnreadableRequest, pb
 
@@ -57,7 +57,7 @@ class GrpcRoutes:
                                     top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
                                     stop=list(p.stop), ignore_eos=p.ignore_eos, **processor_fields_from_pb(p),
                                     **logprob_fields_from_pb(p), **text_fields_from_pb(p),
-                                    cache_salt=cache_salt_from_pb(p))
+                                    cache_salt=cache_salt_from_pb(p), prediction=prediction_from_pb(p))
             if params.structured_outputs is not None:
                 await asyncio.to_thread(grammar.check, params.structured_outputs, self.vocab_size)
         except InvalidRequestError as e:

@@ -48,6 +48,10 @@ class TandemMetrics:
             "tandem_own_match_rounds", "Plain steps the policy chose that went as a match of the session's own suffix.", tags)
         self.own_match_accepted = metrics.Counter(
             "tandem_own_match_accepted_tokens", "Drafts of own-suffix match rounds accepted.", tags)
+        self.prediction_rounds = metrics.Counter(
+            "tandem_prediction_rounds", "Rounds drafted from a request's prediction (OpenAI's Predicted Outputs).", tags)
+        self.prediction_accepted = metrics.Counter(
+            "tandem_prediction_accepted_tokens", "Drafts of prediction rounds accepted.", tags)
         self.grammar_cut_drafts = metrics.Counter(
             "tandem_grammar_cut_drafts", "Deterministic drafts cut before verification: the request's grammar refuses them.", tags)
         self.replays = metrics.Counter("tandem_replays", "Sessions replayed onto another verifier replica.", tags)
@@ -58,7 +62,8 @@ class TandemMetrics:
                        self.accepted_tokens, self.accepted_per_position, self.drafted_per_position, self.rounds,
                        self.gamma, self.mean_accepted_length, self.ttft, self.inter_token, self.pipeline_stalls,
                        self.bubble_fills, self.bubble_fill_hits, self.stale_rounds, self.tree_rounds,
-                       self.tree_branch_hits, self.own_match_rounds, self.own_match_accepted, self.grammar_cut_drafts, self.replays, self.fallbacks,
+                       self.tree_branch_hits, self.own_match_rounds, self.own_match_accepted, self.prediction_rounds,
+                       self.prediction_accepted, self.grammar_cut_drafts, self.replays, self.fallbacks,
                        self.queue_depth, self.active_sessions):
             metric.set_default_tags(self.default_tags)
 
@@ -93,6 +98,8 @@ class TandemMetrics:
                              ("tree_rounds", self.tree_rounds), ("tree_branch_hits", self.tree_branch_hits),
                              ("own_match_rounds", self.own_match_rounds),
                              ("own_match_accepted", self.own_match_accepted),
+                             ("prediction_rounds", self.prediction_rounds),
+                             ("prediction_accepted", self.prediction_accepted),
                              ("grammar_cut_drafts", self.grammar_cut_drafts), ("replays", self.replays),
                              ("drafter_fallbacks", self.fallbacks)):
             if delta.get(name):

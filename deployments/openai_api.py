@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 from cluster.core.processors import tokenize_bad_words
 from cluster.core.sampling import MAX_LOGPROBS, LogprobsMode
 from deployments.openai_body import ApiError, parse_json_object
+from deployments.openai_prediction import Prediction
 from deployments.openai_structured import StructuredFields
 
 log = logging.getLogger(__name__)
@@ -220,6 +221,7 @@ class _Common(_Lenient, _VllmFields, StructuredFields):
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
     num_speculative_tokens: int | None = Field(None, ge=0, le=32, description="Extension: cap on γ (draft length) for this request; 0 is plain decoding.")
     return_token_ids: bool = Field(False, description="Extension: each choice also carries the generated token ids.")
+    prediction: Prediction | None = Field(None, description="OpenAI's Predicted Outputs (on completions too, an extension): text the answer is expected to repeat in large part, drafted where the server speculates; the answer is the same with or without it, and usage's `completion_tokens_details` says how much of it the answer holds.")
     n: int = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N}): choice i is its own session with seed + i; usage counts the prompt once.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token already in the output (-2 .. 2).")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per occurrence in the output (-2 .. 2).")

@@ -29,6 +29,7 @@ from cluster.core.sampling import SamplingParams
 from deployments.chunks import Chunk, ErrorChunk, FinishChunk, PromptChunk, TokensChunk
 from deployments.openai_api import StreamOptions
 from deployments.openai_logprobs import LogprobFormat
+from deployments.openai_prediction import prediction_details
 
 Kind = Literal["completion", "chat"]
 
@@ -51,9 +52,13 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return params.model_copy(update={"seed": (params.seed + index) % 2**63})
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, details: dict | None = None) -> dict:
+    """OpenAI's usage; `details`: its `completion_tokens_details` (a prediction's, `prediction_details`)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if details is not None:
+        out["completion_tokens_details"] = details
+    return out
 
 
 def speculation(stats: dict) -> dict:
@@ -183,6 +188,12 @@ class Answer:
     prompt_ids: list[list[int]]
     echo: list[Echo] | None = None
     prompt_text: str | None = None
+    prediction: list[int] | None = None  # the request's prediction's ids (usage then says how much the answer holds)
+
+    def usage(self, finals: list[FinishChunk], outputs: list[list[int]]) -> dict:
+        """The whole request's usage, from its choices' finishes and output ids."""
+        return usage(self.prompt_tokens, sum(f.completion_tokens for f in finals),
+                     prediction_details(self.prediction, outputs))
 
     def top_level(self) -> dict:
         """Chat's fields beside the choices (the non-streamed body's, the first streamed event's)."""
@@ -241,7 +252,7 @@ async def collect(chunks: AsyncIterator[tuple[int, Chunk]], answer: Answer, logp
                 extra.setdefault("prompt_logprobs", prompt_format.prompt(prompts[i]))
     return {"id": answer.request_id, "object": "text_completion" if kind == "completion" else "chat.completion",
             "created": int(time.time()), "model": answer.model, "choices": choices,
-            "usage": usage(answer.prompt_tokens, sum(f.completion_tokens for f in finals)),
+            "usage": answer.usage(finals, ids),
             "speculation": total_speculation(finals), **extra}
 
 
@@ -259,6 +270,7 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], answer: Answer, options:
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     completion_tokens = 0
     received, released, sent_text = [[] for _ in range(n)], [0] * n, [0] * n
+    outputs: list[list[int]] = [[] for _ in range(n)]  # each choice's ids (a prediction's usage)
     ids_sent = [kind == "chat" or not return_token_ids] * n  # a completion choice's prompt ids go out once
 
     def release(i: int, upto: int, text: str) -> dict | None:
@@ -310,6 +322,7 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], answer: Answer, options:
                 yield event([choice(i, echo[i].text, None, lp=lp)])
             case TokensChunk():
                 completion_tokens += len(chunk.token_ids)
+                outputs[i] += chunk.token_ids
                 received[i] += chunk.logprobs or []
                 lp = release(i, chunk.settled, chunk.text)
                 if chunk.text or lp is not None or (return_token_ids and chunk.token_ids):
@@ -323,5 +336,5 @@ async def sse(chunks: AsyncIterator[tuple[int, Chunk]], answer: Answer, options:
                             speculation=speculation(chunk.stats))
     else:
         if options.include_usage:
-            yield event([], usage=usage(answer.prompt_tokens, sum(f.completion_tokens for f in finals)))
+            yield event([], usage=answer.usage(finals, outputs))
     yield "data: [DONE]\n\n"

@@ -126,6 +126,7 @@ class RouterDeployment:
                 "drafter_fallbacks": m.drafter_fallbacks, "bubble_fill_hits": m.bubble_fill_hits,
                 "stale_rounds": m.stale_rounds, "tree_rounds": m.tree_rounds, "tree_branch_hits": m.tree_branch_hits,
                 "own_match_rounds": m.own_match_rounds, "own_match_accepted": m.own_match_accepted,
+                "prediction_rounds": m.prediction_rounds, "prediction_accepted": m.prediction_accepted,
                 "grammar_cut_drafts": m.grammar_cut_drafts}
 
     def _record_router_metrics(self) -> None:

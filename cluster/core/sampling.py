@@ -11,7 +11,9 @@ late draft becomes a plain step), and the tokens follow the target's distributio
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import torch
@@ -21,6 +23,7 @@ from cluster.core.errors import InvalidRequestError, validation_message
 from cluster.core.grammar import StructuredOutputs
 
 MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids
+MAX_PREDICTION = 1 << 15  # tokens of a prediction (OpenAI's Predicted Outputs)
 MAX_LOGPROBS = 20  # most likely alternatives returned per token (OpenAI's and vLLM's bound)
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]  # vLLM's names (`cluster.core.logprobs`)
 
@@ -55,6 +58,9 @@ class SamplingParams(BaseModel):
         "vLLM's prefix-cache salt: prefill KV is reused only from requests with the same salt (the torch backend's "
         "prompt cache and shared prefills, vLLM's prefix cache); None: only from unsalted ones. Output is unchanged. "
         "vLLM's rule: at most 128 characters, none of @ / \\ or NUL."))
+    prediction: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=MAX_PREDICTION, description=(
+        "OpenAI's Predicted Outputs: token ids the output is expected to repeat (a file being edited): drafts "
+        "wherever the served configuration speculates (`drafts.prediction`). Output is unchanged."))
     # how the output's text is written (the tokens are the same either way; vLLM's names)
     include_stop_str_in_output: bool = Field(False, description="The text keeps the stop string that ended it (and a final stop token id's or EOS's text), as vLLM does.")
     skip_special_tokens: bool = Field(True, description="Special tokens' text is left out of the output text.")
@@ -111,7 +117,7 @@ class SamplingParams(BaseModel):
 
     def check_vocab(self, vocab_size: int) -> None:
         """Every token id the processors name lies in the vocabulary (InvalidRequestError otherwise)."""
-        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words"):
+        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words", "prediction"):
             value = getattr(self, name) or ()
             ids = [t for word in value for t in word] if name == "bad_words" else list(value)
             if any(t >= vocab_size for t in ids):
@@ -140,6 +146,18 @@ class SamplingParams(BaseModel):
         if self.seed is not None:
             return self
         return self.model_copy(update={"seed": int.from_bytes(os.urandom(8), "little") >> 1})
+
+
+def prediction_seed(seed: int | None, temperature: float, prediction: Sequence[int] | None) -> int | None:
+    """The seed a request with a `prediction` samples with: a sampled request's seed mixed with its prediction,
+    so its random numbers are independent of its drafts even where the prediction is an earlier output of the
+    same seed (verification's acceptance and recovery would otherwise draw the numbers that made those drafts,
+    and the output would not follow the target's distribution). The same request gives the same seed; greedy
+    or unseeded requests (a seed drawn later, from the OS) keep theirs. Applied once, where a request enters."""
+    if seed is None or temperature == 0.0 or not prediction:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{','.join(map(str, prediction))}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -28,12 +28,14 @@ from cluster.session.loop_state import (
     InFlight,
     LoopConfig,
     LoopMetrics,
+    OwnRound,
     PipelineState,
     RoundTiming,
     SessionState,
 )
 from cluster.session.pipelined import PipelinedChain
 from cluster.session.ports import DrafterPort, VerifierPort
+from drafts.prediction import PredictionMatch
 from drafts.suffix import OwnMatch
 
 __all__ = ["CostEstimates", "InFlight", "LoopConfig", "LoopMetrics", "RoundTiming", "SessionLoop", "SessionState"]
@@ -51,6 +53,8 @@ class SessionLoop:
         hybrid's long match rounds)."""
         self.state, self.drafter, self.stops, self.config = state, drafter, stops, config
         self.own_match = own_match
+        # the request's own prediction (OpenAI's Predicted Outputs): drafted here too, before any other source
+        self.prediction = PredictionMatch(state.params.prediction) if state.params.prediction else None
         self.estimates, self.metrics = estimates, metrics
         self.on_tokens, self.cancelled, self.timeline = on_tokens, cancelled, timeline
         self.pipelined = PipelinedChain()  # the strategy of pipelined rounds (pipeline_depth > 1)
@@ -95,29 +99,43 @@ class SessionLoop:
         self.state.stats.draft_s += seconds
         self.estimates.record_draft(seconds, num_drafts)
 
-    def own_round(self, remaining: int, verifier_sessions: int) -> DraftReply | None:
-        """The session's own suffix match (`own_match`), within the request's end and its own cap on drafts;
-        None without one, or while the verifiers are saturated (there a plain step's batch is cheapest)."""
+    def own_round(self, remaining: int, verifier_sessions: int) -> OwnRound | None:
+        """A round the loop drafts itself: the request's prediction's (`prediction_round`), else the session's own
+        suffix match (`own_match`), within the request's end and its own cap on drafts; None without one, or while
+        the verifiers are saturated (there a plain step's batch is cheapest)."""
+        own = self.prediction_round(remaining, verifier_sessions)
         s = self.state
-        if self.own_match is None or s.max_gamma <= 0 or s.policy.saturated(verifier_sessions):
-            return None
+        if own is not None or self.own_match is None or s.max_gamma <= 0 or s.policy.saturated(verifier_sessions):
+            return own
         drafts = self.own_match.propose(s.committed, self.draft_limit(remaining, True))
         if not drafts:
             return None
         t = time.time()
-        return DraftReply(drafts, None, t, t, 1)
+        return OwnRound(DraftReply(drafts, None, t, t, 1))
+
+    def prediction_round(self, remaining: int, verifier_sessions: int) -> OwnRound | None:
+        """The drafts of the request's prediction (`drafts.prediction`) that continue its output, cut where its
+        grammar refuses them; None without a prediction, a match, or a session that may draft."""
+        s = self.state
+        if self.prediction is None or s.max_gamma <= 0 or s.policy.saturated(verifier_sessions):
+            return None
+        drafts = self.prediction.propose(s.output, self.draft_limit(remaining, True))
+        t = time.time()
+        draft = self._within_grammar(DraftReply(drafts, None, t, t, 1)) if drafts else None
+        return OwnRound(draft, prediction=True) if draft is not None else None
 
     def send(self, verifier: VerifierPort, p: PipelineState, draft: DraftReply | None, bonus: bool,
-              timing: RoundTiming, own: bool = False) -> None:
+              timing: RoundTiming, own: OwnRound | None = None) -> None:
         chain = draft.chain() if draft is not None else []
         num_drafts = len(chain)
         verifier.send(timing.round, p.epoch, bonus, draft)
         timing.sent = time.time()
         tree_chain = chain if draft is not None and draft.parents is not None else None
         p.in_flight.append(InFlight(timing, p.epoch, num_drafts, len(draft.token_ids) if draft is not None else 0,
-                                    tree_chain=tree_chain, own_match=own))
-        if own:
-            self.metrics.add(own_match_rounds=1)
+                                    tree_chain=tree_chain, own_match=own is not None,
+                                    prediction=own is not None and own.prediction))
+        if own is not None:
+            self.metrics.add(**{"prediction_rounds" if own.prediction else "own_match_rounds": 1})
         p.optimistic += num_drafts
         self.state.stats.record_gamma(num_drafts)
 
@@ -207,12 +225,13 @@ class SessionLoop:
             return
         k = self.gamma_for_round(remaining, True, p)
         t0 = time.time()
-        draft = own = self.own_round(remaining, p.verifier_sessions)  # no drafter call
+        own = self.own_round(remaining, p.verifier_sessions)  # no drafter call
+        draft = own.draft if own is not None else None
         if own is None and k > 0 and self.drafting:
             draft = self.drafter_round(k, remaining, bonus=True)
         draft = self._within_grammar(draft)
         t1 = time.time()
-        self.send(verifier, p, draft, True, RoundTiming(next(p.round_ids), t0, t1), own is not None)  # None: plain
+        self.send(verifier, p, draft, True, RoundTiming(next(p.round_ids), t0, t1), own)  # draft None: plain
         if self.config.pipeline_depth > 1:
             self.metrics.add(shared_sequential_rounds=1)
         if own is None:  # an own match round teaches the drafter's cost estimate nothing
@@ -253,7 +272,8 @@ class SessionLoop:
             op = SyncOp(len(s.committed) - 1, new_tokens[-1:], entry.num_drafts, result.num_accepted)
         if entry.own_match:  # the drafter never saw these drafts: it reads the round's tokens, learns nothing
             op = SyncOp(len(s.committed) - len(new_tokens), new_tokens)
-            self.metrics.add(own_match_accepted=result.num_accepted)
+            self.metrics.add(**{"prediction_accepted" if entry.prediction else "own_match_accepted":
+                                result.num_accepted})
         if entry.tree_chain is not None:
             self.metrics.add(tree_rounds=1)
             if new_tokens[:-1] != entry.tree_chain[: len(new_tokens) - 1]:

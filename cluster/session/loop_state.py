@@ -7,11 +7,12 @@ import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.core.logprobs import TokenLogprob
-from cluster.core.messages import FeatureLog, SyncOp
+from cluster.core.messages import DraftReply, FeatureLog, SyncOp
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import SpeculationStats, ema
 from drafts.policy import SessionPolicy, SpeculationPolicyConfig
@@ -49,6 +50,8 @@ class LoopMetrics:
     tree_branch_hits: int = 0  # ... whose accepted branch left the drafter's own chain (a sibling won)
     own_match_rounds: int = 0  # plain steps replaced by the session's own suffix match (`SessionLoop.own_match`)
     own_match_accepted: int = 0  # ... drafts of those rounds accepted
+    prediction_rounds: int = 0  # rounds drafted from the request's prediction (OpenAI's Predicted Outputs)
+    prediction_accepted: int = 0  # ... drafts of those rounds accepted
     grammar_cut_drafts: int = 0  # deterministic drafts cut before verification: the grammar refuses them
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -138,7 +141,15 @@ class InFlight:
     num_fed: int = 0  # every draft token the verifier scores (a token tree's siblings too)
     stale: bool = False  # drafted before a rejection: its answer commits nothing
     tree_chain: list[int] | None = None  # a token tree's round: the drafter's own continuation
-    own_match: bool = False  # drafted by the loop itself (`SessionLoop.own_match`), not the drafter
+    own_match: bool = False  # drafted by the loop itself (`SessionLoop.own_round`), not the drafter
+    prediction: bool = False  # ... from the request's prediction (`SessionLoop.prediction`)
+
+
+class OwnRound(NamedTuple):
+    """A round the loop drafted itself (`SessionLoop.own_round`): a suffix match's, or the prediction's."""
+
+    draft: DraftReply
+    prediction: bool = False
 
 
 @dataclass

@@ -6,7 +6,8 @@ the loop bumps the epoch and forgets the rounds in flight; the drafter redrafts 
 token. Bubble filling: where redrafting (γ + 1 tokens at the measured c) takes at least
 `fill_min_redraft` verify steps, the verifier runs a plain decoding step meanwhile and the drafter is
 asked for one draft more; if its first draft equals the step's token, the rest go on as the next
-round (`take_fill`). With nothing drafted the strategy sends a plain step (or the session's own match).
+round (`take_fill`). With nothing drafted the strategy sends a plain step (or the session's own match). While
+nothing is in flight and the request's prediction has drafts, they go as a sequential round first.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class PipelinedChain:
             remaining = loop.remaining(p)
             if remaining <= 0:
                 return
+            own = loop.prediction_round(remaining, p.verifier_sessions) if not live else None
+            if own is not None:  # the request's prediction goes on from here: a sequential round of its drafts
+                t = time.time()
+                loop.send(verifier, p, own.draft, True, RoundTiming(next(p.round_ids), t, t), own)
+                return
             k = loop.gamma_for_round(remaining, False, p)
             if (k > 0 and not live and config.fill_bubbles and stats.rounds > 0
                     and remaining > 2 and (k + 1) * loop.cost() >= config.fill_min_redraft):
@@ -48,7 +54,7 @@ class PipelinedChain:
                     loop.metrics.add(bubble_fills=1)
                     return
             t0 = time.time()
-            draft = own = None
+            draft = None
             if k > 0 and loop.drafting:
                 draft = loop.drafter_round(k, remaining, bonus=False)
             t1 = time.time()
@@ -57,10 +63,11 @@ class PipelinedChain:
                 if live:
                     return  # nothing to add: wait for the rounds in flight
                 bonus = True  # a plain decoding step, or the session's own match in its place
-                draft = own = loop.own_round(remaining, p.verifier_sessions)
+                own = loop.own_round(remaining, p.verifier_sessions)
+                draft = own.draft if own is not None else None
             if not p.in_flight and stats.rounds > 0:
                 loop.metrics.add(pipeline_stalls=1)  # the verifier had nothing queued for this session
-            loop.send(verifier, p, draft, bonus, RoundTiming(next(p.round_ids), t0, t1), own is not None)
+            loop.send(verifier, p, draft, bonus, RoundTiming(next(p.round_ids), t0, t1), own)
             live += 1
             if own is None:  # an own match round teaches the drafter's cost estimate nothing
                 loop.record_draft(t1 - t0, len(draft.chain()) if draft is not None else 0)

@@ -42,6 +42,8 @@ def params_to_pb(params: SamplingParams):
         msg.skip_special_tokens = False
     if params.cache_salt is not None:
         msg.cache_salt = params.cache_salt
+    if params.prediction:
+        msg.prediction.extend(params.prediction)
     so = params.structured_outputs
     if so is not None:
         msg.structured_outputs.CopyFrom(pb.StructuredOutputs(kind=so.kind, spec=so.spec,
@@ -67,6 +69,11 @@ def logprob_fields_from_pb(msg) -> dict:
 def cache_salt_from_pb(msg) -> str | None:
     """A pb.SamplingParams' `cache_salt` (None: unset; the public `Generation` API's too)."""
     return msg.cache_salt if msg.HasField("cache_salt") else None
+
+
+def prediction_from_pb(msg) -> list[int] | None:
+    """A pb.SamplingParams' `prediction` (None: empty; the public `Generation` API's too)."""
+    return list(msg.prediction) or None
 
 
 def processor_fields_from_pb(msg) -> dict:
@@ -101,7 +108,8 @@ def params_from_pb(msg) -> SamplingParams:
         top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
         ignore_eos=msg.ignore_eos, **processor_fields_from_pb(msg), **logprob_fields_from_pb(msg),
         **text_fields_from_pb(msg), prompt_length=msg.prompt_length if msg.HasField("prompt_length") else None,
-        eos_token_ids=list(msg.eos_token_ids), cache_salt=cache_salt_from_pb(msg))
+        eos_token_ids=list(msg.eos_token_ids), cache_salt=cache_salt_from_pb(msg),
+        prediction=prediction_from_pb(msg))
 
 
 # -- draft proposals ----------------------------------------------------------------------------

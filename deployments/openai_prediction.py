@@ -1,0 +1,62 @@
+"""OpenAI's Predicted Outputs (`prediction`) on the HTTP API: the request field, its token ids, and the usage
+it reports (`completion_tokens_details.accepted_prediction_tokens` / `rejected_prediction_tokens`).
+
+The prediction's tokens become `SamplingParams.prediction`, drafted by the session loop and by the proposers
+inside vLLM (`drafts.prediction`): the output is the target's, with or without it. OpenAI answers a 400 for
+a prediction with n > 1, logprobs, penalties or tools; here every one of them is served (drafts are verified
+the same way whatever asked for them).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.core.sampling import MAX_PREDICTION
+from deployments.openai_body import ApiError
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"] = Field(description="A text part.")
+    text: str = Field(description="The part's text.")
+
+
+class Prediction(BaseModel):
+    """OpenAI's `prediction` (chat completions; here completions too): static content the answer is expected
+    to match in large part (a file being edited), as a string or text parts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"] = Field(description="The only kind OpenAI defines: predicted content.")
+    content: str | list[TextPart] = Field(description="The predicted answer: a string, or text parts joined.")
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def token_ids(self, tokenizer) -> list[int] | None:
+        """The prediction as the target's token ids, tokenized as an answer's text (no special tokens); None when
+        empty. ApiError past `MAX_PREDICTION` tokens."""
+        text = self.text()
+        if not text:
+            return None
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(ids) > MAX_PREDICTION:
+            raise ApiError(400, f"prediction: {len(ids)} tokens is more than this server's {MAX_PREDICTION}",
+                           param="prediction")
+        return ids
+
+
+def prediction_details(prediction: list[int] | None, outputs: list[list[int]]) -> dict | None:
+    """`usage.completion_tokens_details` for a request with a prediction (None without one): over its choices,
+    the prediction's tokens that appear in the output, in order (`difflib`'s matching blocks), and the rest.
+    OpenAI's definitions; which drafts the engine verified is in the `speculation` figures and the metrics."""
+    if not prediction:
+        return None
+    accepted = sum(block.size for out in outputs
+                   for block in difflib.SequenceMatcher(None, prediction, out).get_matching_blocks())
+    return {"accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": len(prediction) * len(outputs) - accepted}

@@ -1,0 +1,120 @@
+"""OpenAI's Predicted Outputs (`SamplingParams.prediction`) as drafts in the session loop: the drafts follow the
+prediction and come back to it after an edit; greedy output equals plain decoding's whatever the prediction;
+sampled output follows the target's distribution, also where the prediction is an earlier output of the same
+seed (the seed is mixed with the prediction where a request enters); usage counts the prediction's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.core.config import PROMPT_CACHE_TOKENS
+from cluster.core.sampling import SamplingParams, prediction_seed
+from cluster.model.runner import TorchModelRunner
+from cluster.session.speculate import SpeculativeDecoder
+from deployments.openai_prediction import Prediction, prediction_details
+from drafts.draft_model import DraftModelProposer
+from drafts.hybrid import HybridProposer
+from drafts.prediction import PredictionMatch
+from tests.helpers import tiny_llama
+from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_drafts_follow_the_prediction_and_come_back_after_an_edit():
+    m = PredictionMatch([5, 6, 7, 8, 9, 5, 6, 10, 11], max_tokens=3, min_match=2, max_ngram=3)
+    assert m.propose([], 8) == [5, 6, 7]  # nothing written yet: the prediction's start
+    assert m.propose([5, 6], 8) == [7, 8, 9]  # still on it
+    assert m.propose([5, 6], 2) == [7, 8]  # the loop's limit
+    assert m.propose([5, 6, 7, 8, 9, 5, 6, 10, 11], 8) == []  # all of it written
+    assert m.propose([5, 6, 3], 8) == []  # an edit: nothing matches yet
+    assert m.propose([5, 6, 3, 8, 9], 8) == [5, 6, 10]  # back on it: a 2-token match
+    assert m.propose([5, 6, 3, 9], 8) == []  # a 1-token match is not enough
+    # a repeated stretch is placed by what came before it (the match extends back)
+    m = PredictionMatch([1, 2, 3, 4, 9, 1, 2, 3, 4, 7], max_tokens=2, min_match=2, max_ngram=2)
+    assert m.propose([0, 9, 1, 2, 3, 4], 8) == [7]
+    with pytest.raises(ValueError):
+        PredictionMatch([1], min_match=0)
+
+
+def test_the_seed_is_mixed_with_the_prediction_only_where_it_samples():
+    assert prediction_seed(7, 0.0, [1, 2]) == 7  # greedy: no random numbers
+    assert prediction_seed(None, 1.0, [1, 2]) is None  # unseeded: drawn later, independent of the prediction
+    assert prediction_seed(7, 1.0, None) == 7
+    mixed = prediction_seed(7, 1.0, [1, 2])
+    assert mixed != 7 and mixed == prediction_seed(7, 1.0, [1, 2]) and 0 <= mixed < 2**63
+    assert mixed != prediction_seed(7, 1.0, [1, 3]) and mixed != prediction_seed(8, 1.0, [1, 2])
+
+
+def test_usage_counts_the_predictions_tokens_in_the_answer(tokenizer):
+    assert prediction_details(None, [[1, 2]]) is None
+    assert prediction_details([1, 2, 3, 4], [[1, 2, 9, 4, 5]]) == {"accepted_prediction_tokens": 3,
+                                                                   "rejected_prediction_tokens": 1}
+    assert prediction_details([1, 2], [[1, 2], [7]]) == {"accepted_prediction_tokens": 2,
+                                                         "rejected_prediction_tokens": 2}
+    parts = Prediction(type="content", content=[{"type": "text", "text": "x = "}, {"type": "text", "text": "1"}])
+    assert parts.token_ids(tokenizer) == tokenizer("x = 1", add_special_tokens=False)["input_ids"]
+    assert Prediction(type="content", content="").token_ids(tokenizer) is None
+
+
+@pytest.mark.parametrize("loop", [{}, {"pipeline_depth": 2}], ids=["sequential", "pipelined"])
+def test_greedy_output_is_plain_decodings_whatever_the_prediction(target_fp32, draft_int8, tokenizer, loop):
+    """The real target in fp32 with the int8 draft: a prediction equal to the answer, one with edits (tokens
+    changed, dropped, added), and one unrelated all give plain decoding's tokens; the first two are drafted
+    from (rounds and accepted tokens counted), and the exact one commits most tokens in prediction rounds."""
+    prompt = tokenizer(PROMPT)["input_ids"]
+    runner = TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
+    plain = SpeculativeDecoder(runner, None, tokenizer, 0).generate(prompt, SamplingParams(max_tokens=MAX_TOKENS))
+    answer = plain.token_ids
+    edited = answer[:10] + [answer[10] + 1] + answer[11:20] + answer[22:30] + [13, 13] + answer[30:]
+    hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, prompt_cache_tokens=PROMPT_CACHE_TOKENS)))
+    spec = SpeculativeDecoder(runner, hybrid, tokenizer, 3, **loop)
+    for prediction, drafted in ((answer, True), (edited, True), (list(range(1000, 1100)), False)):
+        before = (spec.metrics.prediction_rounds, spec.metrics.prediction_accepted)
+        out = spec.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, prediction=prediction))
+        assert out.token_ids == answer
+        rounds, accepted = spec.metrics.prediction_rounds - before[0], spec.metrics.prediction_accepted - before[1]
+        assert (rounds > 0 and accepted > 0) == drafted, (rounds, accepted)
+        if prediction is answer:
+            assert accepted >= MAX_TOKENS - 2 * rounds and rounds <= MAX_TOKENS // 8, (rounds, accepted)
+    rounds = spec.metrics.prediction_rounds  # a request's cap of 0 drafts: plain steps, the prediction unused
+    spec.generate(prompt, SamplingParams(max_tokens=8, prediction=answer), max_speculative_tokens=0)
+    assert spec.metrics.prediction_rounds == rounds
+
+
+SAMPLE_PROMPT = [1, 4, 2, 7, 1, 4]
+LENGTH = 3
+
+
+def test_sampling_follows_the_target_with_a_prediction_from_the_same_seed():
+    """Each request predicts what plain decoding drew with its own seed. With the seed mixed with the prediction
+    (as the ingress does) the samples follow the target; without, acceptance and recovery draw the numbers that
+    made the drafts, and they do not (the test can fail)."""
+    target, draft = tiny_llama(seed=1), tiny_llama(seed=2)
+    params = SamplingParams(temperature=1.0, max_tokens=LENGTH)
+    exact = exact_continuation_probs(target, SAMPLE_PROMPT, LENGTH, params)
+    runner = TorchModelRunner(target, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
+    plain = SpeculativeDecoder(runner, None, None, 0)
+    spec = SpeculativeDecoder(runner, DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)),
+                              None, 3)
+    n = 2000
+    predictions = [plain.generate(SAMPLE_PROMPT, params.model_copy(update={"seed": i})).token_ids for i in range(n)]
+
+    def samples(mix: bool) -> list[tuple]:
+        return [tuple(spec.generate(SAMPLE_PROMPT, params.model_copy(update={
+            "seed": prediction_seed(i, 1.0, pred) if mix else i, "prediction": pred})).token_ids)
+            for i, pred in enumerate(predictions)]
+
+    assert chi_square_pvalue(samples(True), exact) > FALSE_ALARM
+    assert spec.metrics.prediction_rounds >= n
+    assert chi_square_pvalue(samples(False), exact) < 1e-6

@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 PROPOSER_STATS_TIMEOUT_S = 5.0  # the proposer-counter RPC made at each health check (metrics only)
 
 PROPOSER_KINDS = ("hits", "misses", "matched_rows", "drafted_rows", "empty_rows", "empty_late", "empty_failed", "drafter_failures",
-                  "proposer_errors", "pooled_rows", "pool_outputs", "eagle_rows")
+                  "proposer_errors", "pooled_rows", "pool_outputs", "eagle_rows", "prediction_rows",
+                  "prediction_tokens", "prediction_accepted")
 
 
 def llm_config(config: TandemAppConfig):
@@ -203,7 +204,8 @@ class TandemLLMServer(_server_base()):
             "tandem_vllm_proposer_rows", "vLLM proposer rows by outcome: hits (a draft continued the committed "
             "tokens), misses, drafted_rows, empty_rows (plain steps) and why (late, failed), drafter failures; "
             "pooled_rows (drafted from finished requests' outputs) and pool_outputs (outputs pooled); with vLLM's "
-            "EAGLE-3 method, eagle_rows (its drafts kept) and matched_rows (a match's drafts instead).",
+            "EAGLE-3 method, eagle_rows (its drafts kept) and matched_rows (a match's drafts instead); "
+            "prediction_rows, _tokens and _accepted (drafted from requests' predictions, OpenAI's Predicted Outputs).",
             ("model", "kind"))
         self.proposer_rows.set_default_tags({"model": llm_config.model_id})
         self._last_stats: dict[str, int] = {}

@@ -210,6 +210,11 @@ HTTP_CASES = [
     ("cache-salt-slash", COMPLETIONS, _completion(cache_salt="tenant/a"), {}, 400, "cache_salt"),
     ("cache-salt-129", COMPLETIONS, _completion(cache_salt="s" * 129), {}, 400, "cache_salt"),
     ("chat-echo-list", CHAT, _chat(echo=[1]), {}, 400, "echo"),
+    # OpenAI's Predicted Outputs: its one kind, text content
+    ("prediction-type-file", CHAT, _chat(prediction={"type": "file", "content": "x"}), {}, 400, "prediction"),
+    ("prediction-content-number", CHAT, _chat(prediction={"type": "content", "content": 5}), {}, 400, "prediction"),
+    ("prediction-part-image", COMPLETIONS, _completion(prediction={"type": "content", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}), {}, 400, "prediction"),
     ("reasoning-effort-unknown", CHAT, _chat(reasoning_effort="extreme"), {}, 400, "reasoning_effort"),
     ("presence-penalty-3", COMPLETIONS, _completion(presence_penalty=3), {}, 400, "presence_penalty"),
     ("frequency-penalty-minus-2.5", COMPLETIONS, _completion(frequency_penalty=-2.5), {}, 400, "frequency_penalty"),
@@ -347,6 +352,7 @@ GRPC_CASES = [
     ("presence-penalty-nan", _grpc(presence_penalty=float("nan")), "presence_penalty"),
     ("repetition-penalty-negative", _grpc(repetition_penalty=-1), "repetition_penalty"),
     ("logit-bias-over-vocab", _grpc(logit_bias={10**6: 1.0}), "token ids"),
+    ("prediction-over-vocab", _grpc(prediction=[1, 10**6]), "token ids"),
     ("prompt-over-context", _grpc(prompt="hi " * 9000), "context length"),
     ("model-unknown", pb.GenerateRequest(model="gpt-4", prompt="hi"), "does not exist"),
     ("grammar-bad-regex", _grpc(structured_outputs=pb.StructuredOutputs(kind="regex", spec="(a")), "cannot be compiled"),

@@ -260,6 +260,18 @@ def test_inline_lookup_greedy_equals_target_only(spec, prompts, reference, propo
         assert stats["inline_verdict_accepted"] == counters["accepted_tokens"]
 
 
+def test_predictions_greedy_equal_target_only(spec, prompts, reference):
+    """Each request predicts its answer with an edit (a token changed, two dropped): proposer suffix on vLLM drafts
+    from the predictions first, and the output is the target's."""
+    spec.configure(drafter_spec(EngineConfig(proposer="suffix", num_speculative_tokens=4)).tuned(wait_s=5.0))
+    params = [GREEDY.model_copy(update={"prediction": ref[:5] + [ref[5] + 1] + ref[8:]}) for ref in reference.values()]
+    before = spec.proposer_stats().get("prediction_accepted", 0)
+    outs = spec.generate_batch(list(prompts.values()), params)
+    assert {name: o.token_ids for name, o in zip(prompts, outs)} == reference
+    stats = spec.proposer_stats()
+    assert stats["prediction_rows"] > 0 and stats["prediction_accepted"] - before > len(prompts) * 8, stats
+
+
 def test_hybrid_long_matches_inline_and_the_drafter_for_the_rest(spec, prompts, reference):
     """The hybrid on vLLM: a row with a long match of its own suffix is drafted in the step (up to
     match_tokens), the others by the int8 drafter (up to γ)."""
@@ -594,6 +606,42 @@ def test_inline_matches_are_drafted_in_the_step():
     assert not proposer.sessions["a"].started  # matched only so far: the drafter has not been asked
 
 
+def test_a_requests_prediction_drafts_before_the_matches():
+    """A request whose vLLM sampling params carry a prediction (`extra_args`, as `to_vllm_params` writes them) is
+    drafted from it first, over its output (not its prompt), within its cap; the next step's committed tokens are
+    the verdict; a request without one keeps its matches; gone requests are forgotten."""
+    from types import SimpleNamespace
+
+    from cluster.vllm.engine import to_vllm_params
+    from cluster.vllm.predictions import PREDICTION_KEY
+
+    vparams = to_vllm_params(SamplingParams(prediction=[21, 22, 23, 24, 25]))
+    assert vparams.extra_args == {PREDICTION_KEY: [21, 22, 23, 24, 25]}
+    assert to_vllm_params(SamplingParams()).extra_args is None
+    runner = _Runner(["a-0123abcd", "b-0123abcd", "c~k2-0123abcd"])
+    runner.requests = {"a-0123abcd": SimpleNamespace(sampling_params=vparams, num_prompt_tokens=3),
+                       "b-0123abcd": SimpleNamespace(sampling_params=to_vllm_params(SamplingParams()),
+                                                     num_prompt_tokens=4),
+                       "c~k2-0123abcd": SimpleNamespace(sampling_params=vparams, num_prompt_tokens=3)}
+    proposer = TandemProposer(None)
+    proposer.k = 4
+    proposer.configure(DrafterSpec(matches=InlineMatches(kind="lookup", max_tokens=3)), runner, 0)
+    history = [[5, 6, 5, 21], [5, 6, 7, 5, 6], [5, 6, 5, 21]]  # a and c: prompt [5, 6, 5], output [21]
+    ids = np.zeros((3, 8), dtype=np.int64)
+    for i, h in enumerate(history):
+        ids[i, :len(h)] = h
+    out = proposer.propose([[21], [6], [21]], np.array([len(h) for h in history]), ids)
+    assert out == [[22, 23, 24, 25], [7, 5, 6], [22, 23]]  # the prediction (k 4, cap 2); b's prompt lookup
+    assert proposer.stats["prediction_rows"] == 2 and proposer.stats["prediction_tokens"] == 6
+    ids[0, 4:7] = [22, 23, 9]  # two of a's four drafts accepted, then a corrected token
+    out = proposer.propose([[22, 23, 9]], np.array([7]), ids[:1])
+    assert proposer.stats["prediction_accepted"] == 2 and out == [[]]  # [.., 23, 9]: no 2-token match
+    runner.requests.pop("a-0123abcd")
+    runner.input_batch.req_ids = ["b-0123abcd"]
+    proposer.propose([[5]], np.array([5]), ids[1:2])
+    assert set(proposer._predictions._matches) == {"b-0123abcd", "c~k2-0123abcd"}
+
+
 def test_priced_inline_matches_learn_from_vllms_verdicts():
     """Proposer suffix on vLLM: the priced match is drafted in the step, and the next step's committed
     tokens (accepted drafts + 1) are its verdict, learned per match length; a fuller step prices higher."""
@@ -763,6 +811,12 @@ def test_eagle3_with_tandems_matches_is_lossless(path, prompts, reference, tmp_p
         assert stats["eagle_rows"] > 0 and stats["matched_rows"] > 0 and stats["matched_tokens"] > 0, stats
         assert stats["eagle_first_steps"] >= len(prompts), stats  # each prompt's first token: EAGLE-3's KV, no drafts
         assert stats["pool_outputs"] >= len(prompts) - 1 and not stats.get("proposer_errors"), stats
+        edited = reference["code"][:4] + [7] + reference["code"][4:]  # a prediction with an edit drafts first
+        assert engine.generate(prompts["code"], GREEDY.model_copy(update={"prediction": edited})).token_ids \
+            == reference["code"]
+        stats = engine.proposer_stats()
+        # (a finished request's last verdict is never read: its drafts are counted, not their acceptance)
+        assert stats["prediction_tokens"] > len(edited) // 2 and stats["prediction_accepted"] > 0, stats
         before, rows = engine.spec_metrics(), engine.proposer_stats()["matched_rows"]
         pairs = _sample_pairs(engine, prompt, n, top_k)
         after = engine.spec_metrics()

@@ -38,7 +38,8 @@ from tests.structured_checks import assert_structured_outputs, assert_tool_calls
 from tests.test_bad_input import GRPC_CASES, HTTP_CASES, _assert_openai_error, _generate  # noqa: E402
 from tests.test_prompt_logprobs import assert_echo_and_scoring  # noqa: E402
 from tests.vllm_doubles import replay_spec  # noqa: E402
-from tests.vllm_field_checks import assert_cache_salt, assert_responses_extensions, assert_truncation  # noqa: E402
+from tests.vllm_field_checks import (assert_cache_salt, assert_prediction, assert_responses_extensions,  # noqa: E402
+                                     assert_truncation)
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
@@ -600,6 +601,12 @@ def test_vllm_request_extensions_as_on_torch(client, tokenizer):
     assert_truncation(client, MODEL, tokenizer)
     assert_cache_salt(client, MODEL)
     assert_responses_extensions(client, MODEL)
+    # OpenAI's Predicted Outputs reach vLLM's worker (`extra_args`): tandem's proposer drafts from them first
+    before = _verifier().proposer_stats.remote().result().get("prediction_accepted", 0)
+    plain, exact = assert_prediction(client, MODEL)
+    stats = _verifier().proposer_stats.remote().result()
+    assert stats["prediction_rows"] > 0 and stats["prediction_accepted"] - before > 16, stats
+    assert exact["accepted"] > plain["accepted"], (plain, exact)
 
 
 def test_eagle3_route_with_the_ingress_apart_serves_the_targets_tokens(server, target_fp32, tokenizer, prompt_ids,

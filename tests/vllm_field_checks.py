@@ -1,4 +1,4 @@
-"""vLLM's request extensions beyond sampling, checked through the real `openai` client on a served application:
+"""vLLM's request extensions beyond sampling, and OpenAI's Predicted Outputs, checked through the real `openai` client on a served application:
 shared by the torch application's tests (tests/serving/test_vllm_fields.py) and the vLLM application's
 (test_vllm_serving), which the ingress serves the same way. Each takes the client, the served model's name and,
 where it needs one, the target's tokenizer."""
@@ -132,3 +132,36 @@ def assert_responses_extensions(client: openai.OpenAI, model: str) -> None:
     r = client.responses.create(model=model, input=PROMPT, max_output_tokens=2, temperature=0, truncation="auto",
                                 extra_body={"request_id": "resp-extension-1", "truncate_prompt_tokens": 5})
     assert r.id == "resp-extension-1" and r.truncation == "auto" and r.usage.input_tokens == 5
+
+
+def assert_prediction(client: openai.OpenAI, model: str) -> tuple[dict, dict]:
+    """OpenAI's `prediction` through the `openai` client: with the answer predicted (and with an edit in it), chat
+    streamed or not and a completion (an extension) answer what they answer without, and usage says how much of the
+    prediction the answer holds. (speculation figures without, with the exact prediction), for the backend's own
+    checks."""
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    fields = dict(model=model, messages=messages, max_tokens=32, temperature=0)
+    plain = client.chat.completions.create(**fields)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details is None and len(text) > 40
+    edited = text[:20] + "value" + text[25:]
+    for prediction in (text, edited):
+        out = client.chat.completions.create(**fields, prediction={"type": "content", "content": prediction})
+        assert out.choices[0].message.content == text
+        details = out.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > (out.usage.completion_tokens // 2 if prediction == edited
+                                                     else out.usage.completion_tokens - 2), details
+        assert details.rejected_prediction_tokens >= (1 if prediction == edited else 0), details
+        if prediction == text:
+            exact = out
+    stream = client.chat.completions.create(**fields, stream=True, stream_options={"include_usage": True},
+                                            prediction={"type": "content", "content": [{"type": "text", "text": edited}]})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+    done = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
+    again = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={
+        "prediction": {"type": "content", "content": done.choices[0].text}})
+    assert again.choices[0].text == done.choices[0].text
+    assert again.usage.completion_tokens_details.accepted_prediction_tokens >= again.usage.completion_tokens - 1
+    return plain.model_extra["speculation"], exact.model_extra["speculation"]

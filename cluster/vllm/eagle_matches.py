@@ -23,7 +23,8 @@ the tokens the target processed, so a row given a match's tokens drafts on from 
 EAGLE-3 forward at all (its cost, ~6% of a 16-stream step here, BENCHMARKS.md); the requests in it keep only
 matches from then on, as their draft KV misses those tokens. A step whose requests all just sampled their first
 token (one stream's first step) runs EAGLE-3's KV pass over the prompts and drafts nothing: the first token leaves
-sooner (TTFT). Pooled drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
+sooner (TTFT). A request's own prediction (OpenAI's Predicted Outputs, `cluster.vllm.predictions`) drafts before
+both. Pooled drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
 0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
 and the step keeps vLLM's own drafts.
 """
@@ -35,6 +36,7 @@ import threading
 from collections import Counter
 
 from cluster.vllm.proposer import InlineMatcher, may_pool
+from cluster.vllm.predictions import RequestPredictions
 from cluster.vllm.protocol import InlineMatches, RequestKey
 
 log = logging.getLogger(__name__)
@@ -86,9 +88,10 @@ class EagleMatches:
         self.runner, self.gamma, self.schedule = runner, gamma, schedule
         self.matcher = InlineMatcher(matches)
         self.chain = ChainAcceptance()
+        self.stats: Counter = Counter()
+        self.predictions = RequestPredictions(runner, self.stats)  # requests' own predictions: drafted first
         self.given: dict[str, tuple[int, list[int], int, bool, bool]] = {}  # rid -> (at, draft, match, pooled, is_match)
         self.stale: set[str] = set()  # requests that lived through a step without EAGLE-3's forward: matches only
-        self.stats: Counter = Counter()
         self._lock = threading.Lock()
 
     def install(self) -> None:
@@ -147,6 +150,7 @@ class EagleMatches:
             for rid in [r for r in self.given if r not in live]:
                 del self.given[rid]
             self.stale &= live
+            self.predictions.forget(live)
             self.stats["pool_outputs"] += self.matcher.pool_finished(live)
         decoding = [i for i in range(len(req_ids)) if sampled[i] > 0]
         active = len(decoding)  # the step's decoding rows (what a verified token costs)
@@ -163,6 +167,11 @@ class EagleMatches:
                 continue
             group = keys[i].group  # its cache salt's: pooled among its own group only
             self.matcher.track(rid, int(batch.num_prompt_tokens[i]), history, group)  # pooled when it ends
+            predicted = self.predictions.propose(rid, history, cap)
+            if predicted:  # the request's prediction goes on from here: its drafts before any other source
+                out[i] = predicted
+                self.stats["drafted_rows"] += 1
+                continue
             row = [] if rid in self.stale else out[i][:cap]
             use_pool = self.matcher.pool is not None and may_pool(self.runner, rid, i)
             draft, match, pooled = self.matcher.propose(history, cap, active, use_pool, group)

@@ -55,6 +55,7 @@ from cluster.ray.runtime import init_local_ray  # noqa: E402
 from cluster.session.speculate import GenerationResult, SpeculationStats, validate_request  # noqa: E402
 from cluster.vllm import reaper  # noqa: E402
 from cluster.vllm.openmp import engine_processes_on_intel_openmp  # noqa: E402
+from cluster.vllm.predictions import PREDICTION_KEY  # noqa: E402
 from cluster.vllm.proposer import PROPOSER_CLASS  # noqa: E402
 from cluster.vllm.eagle3 import checked_eagle3_dir, eagle3_speculative_config  # noqa: E402
 from cluster.vllm.protocol import (INLINE_ONLY, DrafterSpec, InlineMatches, RayDrafter, engine_draft_tokens,  # noqa: E402
@@ -93,7 +94,8 @@ def to_vllm_params(params: SamplingParams, **extra):
                   frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
                   min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids) or None,
                   allowed_token_ids=params.allowed_token_ids, logprobs=params.logprobs,
-                  structured_outputs=to_vllm_structured(params.structured_outputs), **extra)
+                  structured_outputs=to_vllm_structured(params.structured_outputs),
+                  extra_args={PREDICTION_KEY: list(params.prediction)} if params.prediction else None, **extra)
     if params.bad_words:
         # already token sequences (tokenized as vLLM's `update_from_tokenizer` would, and the gRPC API's are
         # ids): set where that method puts them, which it leaves alone while `bad_words` (the strings) is

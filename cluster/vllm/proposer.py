@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from cluster.core.messages import SyncOp
 from cluster.vllm.client import DraftClient, make_client
 from cluster.vllm.patch import fix_rejection_sampler, fix_state
+from cluster.vllm.predictions import RequestPredictions
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RequestKey
 from drafts.ngram import ngram_lookup
 from drafts.suffix import OwnMatch, PooledPricedMatch, PricedMatch, SuffixPool
@@ -81,6 +82,7 @@ class TandemProposer:
         self.sessions: dict[str, _Session] = {}
         self._drafter_part: dict | None = None
         self._match: InlineMatcher | None = None  # the inline matches of `spec.matches` (None: none)
+        self._predictions: RequestPredictions | None = None  # requests' own predictions (rank 0)
         self._verdicts: dict[str, tuple[int, int, bool]] = {}  # key -> (match, tokens, pooled) of the inline draft last given
         self.stats: Counter = Counter()
         self._lock = threading.Lock()
@@ -105,6 +107,7 @@ class TandemProposer:
         self._match = InlineMatcher(spec.matches) if rank == 0 and spec.matches is not None else None
         self._verdicts.clear()
         self.stats = Counter()
+        self._predictions = RequestPredictions(runner, self.stats) if rank == 0 else None
         if not keep:
             self.client = make_client(spec) if rank == 0 else None
             self._drafter_part = drafter_part
@@ -143,7 +146,8 @@ class TandemProposer:
         rows = len(sampled_token_ids)
         self.stats["steps"] += 1
         drafter = self.client is not None and self.max_k > 0
-        if self.runner is None or not (drafter or self._match is not None):
+        predictions = self._predictions
+        if self.runner is None or not (drafter or self._match is not None or predictions is not None):
             self.stats["rows_without_drafter"] += rows
             return [[] for _ in range(rows)]
         req_ids = self.runner.input_batch.req_ids
@@ -152,6 +156,8 @@ class TandemProposer:
         # requests gone since the last step (finished or aborted): released, their outputs pooled first
         live = getattr(self.runner, "requests", None)
         if live is not None:
+            if predictions is not None:
+                predictions.forget(set(live))
             live = {self._key(r) for r in live}
             for key in [k for k in self._verdicts if k not in live]:
                 del self._verdicts[key]
@@ -182,7 +188,8 @@ class TandemProposer:
             if s is None and drafter:
                 s = self.sessions[key] = _Session(opened=len(history) - num_new)
                 self.stats["sessions"] += 1
-            draft = []
+            # the request's own prediction, first
+            draft = predictions.propose(req_ids[i], history, limit) if predictions is not None else []
             if self._match is not None:
                 given = self._verdicts.pop(key, None)
                 if given is not None:  # the verdict on the inline draft given at this request's last step
@@ -191,12 +198,13 @@ class TandemProposer:
                     self.stats["inline_verdicts"] += 1
                     self.stats["inline_verdict_accepted"] += accepted
                 self._match.track(key, len(history) - num_new, history, request_key.group)
-                use_pool = self._match.pool is not None and may_pool(self.runner, req_ids[i], i)
-                draft, match, pooled = self._match.propose(history, limit, active, use_pool, request_key.group)
-                if draft:
-                    self._verdicts[key] = (match, len(draft), pooled)
-                    self.stats["pooled_rows"] += int(pooled)
-            if draft:  # drafted here: the drafter's session (if any) learns the verdict as a resync
+                if not draft:
+                    use_pool = self._match.pool is not None and may_pool(self.runner, req_ids[i], i)
+                    draft, match, pooled = self._match.propose(history, limit, active, use_pool, request_key.group)
+                    if draft:
+                        self._verdicts[key] = (match, len(draft), pooled)
+                        self.stats["pooled_rows"] += int(pooled)
+            if draft:  # drafted here (a prediction's, a match's): the drafter's session learns the verdict as a resync
                 self.stats["matched_rows"] += 1
                 self.stats["matched_tokens"] += len(draft)
                 if s is not None:

@@ -17,7 +17,8 @@ from protos import pb, rpc
 from tests.serving import API_KEY, METADATA, MODEL
 from tests.vllm_field_checks import (MAX_TOKENS, PROMPT, assert_cache_salt, assert_chat_echo,
                                      assert_chat_prompt_logprobs, assert_logprob_names_and_request_id,
-                                     assert_prompt_ids_and_special_tokens, assert_responses_extensions,
+                                     assert_prediction, assert_prompt_ids_and_special_tokens,
+                                     assert_responses_extensions,
                                      assert_truncation, completion)
 
 
@@ -41,6 +42,13 @@ def test_chat_echo_continues_the_assistant_text(client):
 def test_logprob_names_and_request_id(client):
     assert_logprob_names_and_request_id(client, MODEL)
     assert_responses_extensions(client, MODEL)
+
+
+def test_prediction_drafts_and_changes_nothing(client):
+    """OpenAI's Predicted Outputs on the torch backend: the exact prediction is drafted from in long rounds, so the
+    answer takes fewer rounds than without one, and more of its drafts are accepted."""
+    plain, exact = assert_prediction(client, MODEL)
+    assert exact["rounds"] < plain["rounds"] and exact["accepted"] > plain["accepted"], (plain, exact)
 
 
 def test_prompt_logprobs_on_chat_and_grpc(client, server, tokenizer):

@@ -15,7 +15,7 @@ from cluster.session.speculate import SpeculativeDecoder
 from deployments.openai_prediction import Prediction, prediction_details
 from drafts.draft_model import DraftModelProposer
 from drafts.hybrid import HybridProposer
-from drafts.prediction import PredictionMatch
+from drafts.prediction import PredictionMatch, prediction_prices
 from tests.helpers import tiny_llama
 from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
 
@@ -32,19 +32,30 @@ def one_thread():
 
 
 def test_drafts_follow_the_prediction_and_come_back_after_an_edit():
-    m = PredictionMatch([5, 6, 7, 8, 9, 5, 6, 10, 11], max_tokens=3, min_match=2, max_ngram=3)
-    assert m.propose([], 8) == [5, 6, 7]  # nothing written yet: the prediction's start
-    assert m.propose([5, 6], 8) == [7, 8, 9]  # still on it
-    assert m.propose([5, 6], 2) == [7, 8]  # the loop's limit
-    assert m.propose([5, 6, 7, 8, 9, 5, 6, 10, 11], 8) == []  # all of it written
-    assert m.propose([5, 6, 3], 8) == []  # an edit: nothing matches yet
-    assert m.propose([5, 6, 3, 8, 9], 8) == [5, 6, 10]  # back on it: a 2-token match
-    assert m.propose([5, 6, 3, 9], 8) == []  # a 1-token match is not enough
+    m = PredictionMatch([5, 6, 7, 8, 9, 5, 6, 10, 11], prediction_prices(max_tokens=3))
+    assert m.propose([], 8) == ([5, 6, 7], PredictionMatch.max_match)  # nothing written yet: the prediction's start
+    assert m.propose([5, 6], 8) == ([7, 8, 9], PredictionMatch.max_match)  # still on it
+    assert m.propose([5, 6], 2)[0] == [7, 8]  # the loop's limit
+    assert m.propose([5, 6, 7, 8, 9, 5, 6, 10, 11], 8) == ([], 0)  # all of it written
+    assert m.propose([5, 6, 3], 8) == ([], 0)  # an edit: nothing matches yet
+    assert m.propose([5, 6, 3, 8, 9], 8) == ([5, 6, 10], 2)  # back on it: a 2-token match
+    assert m.propose([5, 6, 3, 9], 8) == ([], 0)  # a 1-token match is not enough
     # a repeated stretch is placed by what came before it (the match extends back)
-    m = PredictionMatch([1, 2, 3, 4, 9, 1, 2, 3, 4, 7], max_tokens=2, min_match=2, max_ngram=2)
-    assert m.propose([0, 9, 1, 2, 3, 4], 8) == [7]
-    with pytest.raises(ValueError):
-        PredictionMatch([1], min_match=0)
+    m = PredictionMatch([1, 2, 3, 4, 9, 1, 2, 3, 4, 7], prediction_prices(max_tokens=2))
+    assert m.propose([0, 9, 1, 2, 3, 4], 8) == ([7], 5)
+
+
+def test_drafts_are_priced_by_their_verdicts():
+    """A prediction the answer does not follow loses its short matches' drafts; the aligned case keeps its long ones,
+    and a fuller step pays less (the same prices as suffix matches)."""
+    prices = prediction_prices(max_tokens=8, threshold=0.1, per_row=0.04)
+    m = PredictionMatch(list(range(100, 140)), prices)
+    assert len(m.propose([100, 101], 8)[0]) == 8 and len(m.propose([7, 120, 121], 8)[0]) == 5  # m=2: 5 pay
+    assert len(m.propose([7, 120, 121], 8, rows=16)[0]) < 5  # 16 rows: each token costs more
+    for _ in range(40):
+        m.learn(2, 6, 0)  # after 2-token matches the answer never goes on as predicted
+    assert m.propose([7, 120, 121], 8) == ([], 2) and m.expected(2, 1) < 0.1
+    assert len(m.propose([100, 101], 8)[0]) == 8 and m.expected(PredictionMatch.max_match, 8) > 7
 
 
 def test_the_seed_is_mixed_with_the_prediction_only_where_it_samples():

@@ -3,7 +3,9 @@
 The workload is OpenAI's documented use of `prediction`: a file to be edited. Each request is a HumanEval problem's
 code (problems 100 on: the prompt and its canonical solution) in a chat message asking for the whole code back with
 the function renamed; its prediction is the code as it stands, in a Python code block (what a client holding the
-file sends). Sides (each server started and stopped by `tools.peer_bench`, one at a time or together):
+file sends). `--workload answer`: the same requests, each predicted by vLLM alone's own answer to it (a right
+prediction, up to bf16's near ties: the upper bound). Sides (each server started and stopped by `tools.peer_bench`,
+one at a time or together):
 
 - `vllm`, `vllm_ngram`, `vllm_suffix` (Arctic Inference, where installed): vLLM alone and its own methods; vLLM has
   no Predicted Outputs (its request models let the field through and ignore it), and its prompt lookup sees the same
@@ -47,19 +49,23 @@ def edit_items(n: int, offset: int = 100) -> list[dict]:
 
 def send(client: httpx.Client, server: Server, item: dict, max_tokens: int, index: int) -> tuple[Record, dict]:
     """One streamed request (with its prediction on a `+prediction` side): the record, and the usage's details."""
+    # each side its own prefix cache (vLLM's `cache_salt`, tandem's too): no side reuses another's prefill
     body = {"model": server.model, "messages": item["messages"], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, **server.extra}
+            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": server.name, **server.extra}
     if server.name.endswith("+prediction"):
         body["prediction"] = {"type": "content", "content": item["prediction"]}
-    start, details, lines = time.perf_counter(), {}, []
+    start, details = time.perf_counter(), {}
+
+    def lines(response):  # read as they arrive (parse_stream times them), the usage's details kept on the way
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"usage"' in line:
+                details.update((json.loads(line[6:]).get("usage") or {}).get("completion_tokens_details") or {})
+            yield line
+
     with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{server.name} answered {response.status_code}: {response.read().decode()[:500]}")
-        for line in response.iter_lines():
-            lines.append(line)
-            if line.startswith("data: {") and '"usage"' in line:
-                details = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens_details") or details
-    text, tokens, ttft, gaps = parse_stream(lines, True, start)
+        text, tokens, ttft, gaps = parse_stream(lines(response), True, start)
     return Record(server.name, index, tokens, text, ttft, time.perf_counter() - start, gaps), details
 
 
@@ -84,8 +90,13 @@ def report(records: list[Record], kept: dict[str, dict], names: list[str]) -> di
     by = {name: summarize([r for r in records if r.server == name]) for name in names}
     base = by.get("vllm", {}).get("tokens_per_s")
     for name, row in by.items():
+        mine = [r for r in records if r.server == name]
         row["ratio_over_vllm"] = row["tokens_per_s"] / base if base else None
+        # after the first token: what the drafts change (the prefill is the same work on every side)
+        row["decode_tokens_per_s"] = sum(r.tokens - 1 for r in mine) / max(1e-9, sum(r.total_s - r.ttft_s for r in mine))
         row["prediction_tokens"] = kept.get(name)
+        row["per_request"] = [{"item": r.prompt, "tokens": r.tokens, "total_s": round(r.total_s, 3),
+                               "ttft_s": round(r.ttft_s, 3)} for r in mine]
     return {"sides": by, "same_as_vllm": same_outputs(records, "vllm") if base else {},
             "outputs": {name: [r.text for r in records if r.server == name] for name in names}}
 
@@ -104,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--together", dest="alone", action="store_false",
                         help="run every server at once, rotating the order per item (default: each server alone, "
                              "none idling beside another on this 2-core machine)")
+    parser.add_argument("--workload", choices=("edit", "answer"), default="edit",
+                        help="edit: the prediction is the code in the prompt (OpenAI's use); answer: it is vLLM "
+                             "alone's answer to the same request (a right prediction: the upper bound)")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     from cluster.model import models
@@ -112,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     items = edit_items(args.prompts + 1)
     sides = args.servers.split(",")
     records, kept, names = [], {}, []
+    if args.workload == "answer" and (not args.alone or sides[0] != "vllm"):
+        parser.error("--workload answer takes vLLM alone's answers as the predictions: --servers must start with vllm, "
+                     "each server alone")
     for group in ([(side,) for side in sides] if args.alone else [tuple(sides)]):
         procs, servers = start_servers(model_dir, args.config, args.dtype, args.max_model_len, args.base_port,
                                        args.logs, group)
@@ -120,16 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                         if s.name.startswith("tandem") and not s.name.endswith("_plain")]
             names += [s.name for s in servers]
             got, details = measure(servers, items, args.max_tokens)
+            if args.workload == "answer" and group == ("vllm",):  # the predictions: vLLM alone's own answers
+                for record in got:
+                    items[record.prompt]["prediction"] = record.text
             records += got
             kept.update(details)
         finally:
             for proc in procs:
                 proc.stop()
     out = report(records, kept, names)
-    out.update(servers=args.servers, alone=args.alone, prompts=args.prompts, max_tokens=args.max_tokens,
+    out.update(servers=args.servers, workload=args.workload, alone=args.alone, prompts=args.prompts, max_tokens=args.max_tokens,
                dtype=args.dtype, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     for name, row in out["sides"].items():
         print(f"{name:24s} {row['tokens_per_s']:7.1f} tok/s  x{row['ratio_over_vllm'] or 0:.2f}  "
+              f"decode {row['decode_tokens_per_s']:6.1f} tok/s  "
               f"TTFT p50 {row['ttft_ms']['p50']:.0f} ms  same as vLLM {out['same_as_vllm'].get(name, 1.0):.2f}  "
               f"{row['prediction_tokens'] or ''}")
     if args.json:

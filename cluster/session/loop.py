@@ -35,7 +35,7 @@ from cluster.session.loop_state import (
 )
 from cluster.session.pipelined import PipelinedChain
 from cluster.session.ports import DrafterPort, VerifierPort
-from drafts.prediction import PredictionMatch
+from drafts.prediction import PredictionMatch, prediction_prices
 from drafts.suffix import OwnMatch
 
 __all__ = ["CostEstimates", "InFlight", "LoopConfig", "LoopMetrics", "RoundTiming", "SessionLoop", "SessionState"]
@@ -54,7 +54,8 @@ class SessionLoop:
         self.state, self.drafter, self.stops, self.config = state, drafter, stops, config
         self.own_match = own_match
         # the request's own prediction (OpenAI's Predicted Outputs): drafted here too, before any other source
-        self.prediction = PredictionMatch(state.params.prediction) if state.params.prediction else None
+        self.prediction = PredictionMatch(state.params.prediction, prediction_prices()) \
+            if state.params.prediction else None
         self.estimates, self.metrics = estimates, metrics
         self.on_tokens, self.cancelled, self.timeline = on_tokens, cancelled, timeline
         self.pipelined = PipelinedChain()  # the strategy of pipelined rounds (pipeline_depth > 1)
@@ -115,14 +116,19 @@ class SessionLoop:
 
     def prediction_round(self, remaining: int, verifier_sessions: int) -> OwnRound | None:
         """The drafts of the request's prediction (`drafts.prediction`) that continue its output, cut where its
-        grammar refuses them; None without a prediction, a match, or a session that may draft."""
+        grammar refuses them; None without a prediction, a match, or a session that may draft, or where the drafter's
+        γ drafts are expected to have more accepted (at the session's α)."""
         s = self.state
         if self.prediction is None or s.max_gamma <= 0 or s.policy.saturated(verifier_sessions):
             return None
-        drafts = self.prediction.propose(s.output, self.draft_limit(remaining, True))
+        drafts, match = self.prediction.propose(s.output, self.draft_limit(remaining, True))
+        if drafts and self.drafting:  # the drafter's γ drafts where they are expected to have more accepted
+            alpha = s.policy.alpha
+            if self.prediction.expected(match, len(drafts)) < sum(alpha ** j for j in range(1, s.max_gamma + 1)):
+                return None
         t = time.time()
         draft = self._within_grammar(DraftReply(drafts, None, t, t, 1)) if drafts else None
-        return OwnRound(draft, prediction=True) if draft is not None else None
+        return OwnRound(draft, prediction=match) if draft is not None else None
 
     def send(self, verifier: VerifierPort, p: PipelineState, draft: DraftReply | None, bonus: bool,
               timing: RoundTiming, own: OwnRound | None = None) -> None:
@@ -133,7 +139,7 @@ class SessionLoop:
         tree_chain = chain if draft is not None and draft.parents is not None else None
         p.in_flight.append(InFlight(timing, p.epoch, num_drafts, len(draft.token_ids) if draft is not None else 0,
                                     tree_chain=tree_chain, own_match=own is not None,
-                                    prediction=own is not None and own.prediction))
+                                    prediction=own.prediction if own is not None else 0))
         if own is not None:
             self.metrics.add(**{"prediction_rounds" if own.prediction else "own_match_rounds": 1})
         p.optimistic += num_drafts
@@ -274,6 +280,8 @@ class SessionLoop:
             op = SyncOp(len(s.committed) - len(new_tokens), new_tokens)
             self.metrics.add(**{"prediction_accepted" if entry.prediction else "own_match_accepted":
                                 result.num_accepted})
+            if entry.prediction:  # the prediction's prices learn the verdict
+                self.prediction.learn(entry.prediction, entry.num_drafts, result.num_accepted)
         if entry.tree_chain is not None:
             self.metrics.add(tree_rounds=1)
             if new_tokens[:-1] != entry.tree_chain[: len(new_tokens) - 1]:

@@ -142,14 +142,14 @@ class InFlight:
     stale: bool = False  # drafted before a rejection: its answer commits nothing
     tree_chain: list[int] | None = None  # a token tree's round: the drafter's own continuation
     own_match: bool = False  # drafted by the loop itself (`SessionLoop.own_round`), not the drafter
-    prediction: bool = False  # ... from the request's prediction (`SessionLoop.prediction`)
+    prediction: int = 0  # ... from the request's prediction (`SessionLoop.prediction`): its match length (0: not)
 
 
 class OwnRound(NamedTuple):
     """A round the loop drafted itself (`SessionLoop.own_round`): a suffix match's, or the prediction's."""
 
     draft: DraftReply
-    prediction: bool = False
+    prediction: int = 0  # the prediction's match length (`PredictionMatch.propose`; 0: a suffix match's round)
 
 
 @dataclass

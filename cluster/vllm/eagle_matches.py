@@ -23,8 +23,8 @@ the tokens the target processed, so a row given a match's tokens drafts on from 
 EAGLE-3 forward at all (its cost, ~6% of a 16-stream step here, BENCHMARKS.md); the requests in it keep only
 matches from then on, as their draft KV misses those tokens. A step whose requests all just sampled their first
 token (one stream's first step) runs EAGLE-3's KV pass over the prompts and drafts nothing: the first token leaves
-sooner (TTFT). A request's own prediction (OpenAI's Predicted Outputs, `cluster.vllm.predictions`) drafts before
-both. Pooled drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
+sooner (TTFT). A request's own prediction (OpenAI's Predicted Outputs, `cluster.vllm.predictions`) is a third
+candidate, priced by a table of its own: the row takes it where it is expected to have at least as many accepted. Pooled drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
 0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
 and the step keeps vLLM's own drafts.
 """
@@ -38,6 +38,7 @@ from collections import Counter
 from cluster.vllm.proposer import InlineMatcher, may_pool
 from cluster.vllm.predictions import RequestPredictions
 from cluster.vllm.protocol import InlineMatches, RequestKey
+from drafts.prediction import prediction_prices
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ class EagleMatches:
         self.matcher = InlineMatcher(matches)
         self.chain = ChainAcceptance()
         self.stats: Counter = Counter()
-        self.predictions = RequestPredictions(runner, self.stats)  # requests' own predictions: drafted first
+        self.predictions = RequestPredictions(runner, self.stats, prediction_prices(
+            matches.max_tokens, matches.threshold, matches.per_row, matches.busy_rows))  # requests' own predictions
         self.given: dict[str, tuple[int, list[int], int, bool, bool]] = {}  # rid -> (at, draft, match, pooled, is_match)
         self.stale: set[str] = set()  # requests that lived through a step without EAGLE-3's forward: matches only
         self._lock = threading.Lock()
@@ -167,14 +169,17 @@ class EagleMatches:
                 continue
             group = keys[i].group  # its cache salt's: pooled among its own group only
             self.matcher.track(rid, int(batch.num_prompt_tokens[i]), history, group)  # pooled when it ends
-            predicted = self.predictions.propose(rid, history, cap)
-            if predicted:  # the request's prediction goes on from here: its drafts before any other source
-                out[i] = predicted
-                self.stats["drafted_rows"] += 1
-                continue
             row = [] if rid in self.stale else out[i][:cap]
             use_pool = self.matcher.pool is not None and may_pool(self.runner, rid, i)
             draft, match, pooled = self.matcher.propose(history, cap, active, use_pool, group)
+            best = max(self.chain.expected(len(row)), self.matcher.pooled.expected(match, len(draft), pooled)
+                       if draft else 0.0)
+            predicted, at = self.predictions.propose(rid, history, cap, active)  # the request's own prediction
+            if predicted and self.predictions.prices.expected(at, len(predicted)) >= best:
+                out[i] = predicted
+                self.predictions.give(rid, history, predicted, at)
+                self.stats["drafted_rows"] += 1
+                continue
             if draft and self.matcher.pooled.expected(match, len(draft), pooled) > self.chain.expected(len(row)):
                 out[i] = draft
                 self.given[rid] = (len(history), draft, match, pooled, True)

@@ -48,6 +48,7 @@ from cluster.vllm.patch import fix_rejection_sampler, fix_state
 from cluster.vllm.predictions import RequestPredictions
 from cluster.vllm.protocol import DrafterSpec, InlineMatches, RequestKey
 from drafts.ngram import ngram_lookup
+from drafts.prediction import prediction_prices
 from drafts.suffix import OwnMatch, PooledPricedMatch, PricedMatch, SuffixPool
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,10 @@ class TandemProposer:
         self._match = InlineMatcher(spec.matches) if rank == 0 and spec.matches is not None else None
         self._verdicts.clear()
         self.stats = Counter()
-        self._predictions = RequestPredictions(runner, self.stats) if rank == 0 else None
+        m = spec.matches
+        prices = prediction_prices(max(1, self.k), m.threshold, m.per_row, m.busy_rows) if m else \
+            prediction_prices(max(1, self.k))
+        self._predictions = RequestPredictions(runner, self.stats, prices) if rank == 0 else None
         if not keep:
             self.client = make_client(spec) if rank == 0 else None
             self._drafter_part = drafter_part
@@ -188,8 +192,10 @@ class TandemProposer:
             if s is None and drafter:
                 s = self.sessions[key] = _Session(opened=len(history) - num_new)
                 self.stats["sessions"] += 1
-            # the request's own prediction, first
-            draft = predictions.propose(req_ids[i], history, limit) if predictions is not None else []
+            draft, at = predictions.propose(req_ids[i], history, limit, active) if predictions is not None \
+                else ([], 0)
+            if draft:  # the request's own prediction, priced, before any other source
+                predictions.give(req_ids[i], history, draft, at)
             if self._match is not None:
                 given = self._verdicts.pop(key, None)
                 if given is not None:  # the verdict on the inline draft given at this request's last step

@@ -20,7 +20,7 @@ from tests.helpers import tiny_llama
 from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-MAX_TOKENS = 48
+MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,7 +118,7 @@ def test_sampling_follows_the_target_with_a_prediction_from_the_same_seed():
     plain = SpeculativeDecoder(runner, None, None, 0)
     spec = SpeculativeDecoder(runner, DraftModelProposer(TorchModelRunner(draft, prompt_cache_tokens=PROMPT_CACHE_TOKENS)),
                               None, 3)
-    n = 2000
+    n = 1000
     predictions = [plain.generate(SAMPLE_PROMPT, params.model_copy(update={"seed": i})).token_ids for i in range(n)]
 
     def samples(mix: bool) -> list[tuple]:

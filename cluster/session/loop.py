@@ -53,7 +53,7 @@ class SessionLoop:
         hybrid's long match rounds)."""
         self.state, self.drafter, self.stops, self.config = state, drafter, stops, config
         self.own_match = own_match
-        # the request's own prediction (OpenAI's Predicted Outputs): drafted here too, before any other source
+        # the request's own prediction (OpenAI's Predicted Outputs): drafted here where it beats the other sources
         self.prediction = PredictionMatch(state.params.prediction, prediction_prices()) \
             if state.params.prediction else None
         self.estimates, self.metrics = estimates, metrics

@@ -2,9 +2,9 @@
 it reports (`completion_tokens_details.accepted_prediction_tokens` / `rejected_prediction_tokens`).
 
 The prediction's tokens become `SamplingParams.prediction`, drafted by the session loop and by the proposers
-inside vLLM (`drafts.prediction`): the output is the target's, with or without it. OpenAI answers a 400 for
-a prediction with n > 1, logprobs, penalties or tools; here every one of them is served (drafts are verified
-the same way whatever asked for them).
+inside vLLM (`drafts.prediction`): the output is the target's, with or without it. OpenAI refuses
+a prediction with n > 1, logprobs, penalties above 0 or tools (its documentation lists them as not supported);
+here every one of them is served (drafts are verified the same way whatever asked for them).
 """
 
 from __future__ import annotations

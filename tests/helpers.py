@@ -62,6 +62,18 @@ class SiblingOracleProposer(OracleProposer):
         return out
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to `n` inside, restored after (one thread: decoding one token at a time, two
+    threads lose to one on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def tiny_llama(seed: int, vocab_size: int = 10, sharpness: float = 8.0) -> LlamaForCausalLM:
     """A small random Llama whose next-token distributions are peaked (so p and q differ clearly)."""
     torch.manual_seed(seed)

@@ -22,7 +22,7 @@ from drafts.eagle3_model import Eagle3Draft, fusion_layers
 from drafts.factory import make_proposer
 from drafts.routing import needs_features, target_feature_layers
 from drafts.feature_proposer import SHIPPED_EAGLE3, FeatureProposer, target_features
-from tests.helpers import tiny_llama
+from tests.helpers import tiny_llama, torch_threads
 from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
 
 MAX_TOKENS = 40
@@ -35,10 +35,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def eagle3_config(**kwargs) -> EngineConfig:

@@ -21,7 +21,7 @@ from drafts.feature_model import FeatureDraft
 from drafts.feature_proposer import FeatureProposer
 from drafts.hybrid import MODEL, HybridProposer
 from protos import pb
-from tests.helpers import tiny_llama
+from tests.helpers import tiny_llama, torch_threads
 from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
 
 MAX_TOKENS = 40
@@ -34,10 +34,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ seed (the seed is mixed with the prediction where a request enters); usage count
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.core.sampling import SamplingParams, prediction_seed
@@ -16,7 +15,7 @@ from deployments.openai_prediction import Prediction, prediction_details
 from drafts.draft_model import DraftModelProposer
 from drafts.hybrid import HybridProposer
 from drafts.prediction import PredictionMatch, prediction_prices
-from tests.helpers import tiny_llama
+from tests.helpers import tiny_llama, torch_threads
 from tests.test_sampling_e2e import FALSE_ALARM, chi_square_pvalue, exact_continuation_probs
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -25,10 +24,8 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def test_drafts_follow_the_prediction_and_come_back_after_an_edit():

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                         "every tandem side also gets its _plain and +prediction sides")
     parser.add_argument("--prompts", type=int, default=6, help="measured items (one more is sent first and dropped)")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="every side's (vLLM's --dtype, tandem's engine dtype)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--config", default="ray_config.yaml")
     parser.add_argument("--base-port", type=int, default=8300)
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(models.prepare_default_model())
     items = edit_items(args.prompts + 1)
-    sides = args.servers.split(",")
+    # tandem takes its dtype from its config: each tandem side is given the run's (`tandem serve --set dtype=...`)
+    sides = [f"{side}+dtype={args.dtype}" if side.startswith("tandem") else side for side in args.servers.split(",")]
     records, kept, names = [], {}, []
     if args.workload == "answer" and (not args.alone or sides[0] != "vllm"):
         parser.error("--workload answer takes vLLM alone's answers as the predictions: --servers must start with vllm, "

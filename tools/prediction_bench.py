@@ -28,6 +28,7 @@ import time
 
 import httpx
 
+from cluster.model import models
 from tools.peer_bench import Record, Server, parse_stream, rotated, same_outputs, start_servers, summarize
 
 INSTRUCTION = ("Rename the function `{name}` to `solve` in the code below and answer with the whole code in one Python "
@@ -93,7 +94,8 @@ def report(records: list[Record], kept: dict[str, dict], names: list[str]) -> di
         mine = [r for r in records if r.server == name]
         row["ratio_over_vllm"] = row["tokens_per_s"] / base if base else None
         # after the first token: what the drafts change (the prefill is the same work on every side)
-        row["decode_tokens_per_s"] = sum(r.tokens - 1 for r in mine) / max(1e-9, sum(r.total_s - r.ttft_s for r in mine))
+        decode_s = sum(r.total_s - r.ttft_s for r in mine)
+        row["decode_tokens_per_s"] = sum(r.tokens - 1 for r in mine) / max(1e-9, decode_s)
         row["prediction_tokens"] = kept.get(name)
         row["per_request"] = [{"item": r.prompt, "tokens": r.tokens, "total_s": round(r.total_s, 3),
                                "ttft_s": round(r.ttft_s, 3)} for r in mine]
@@ -120,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
                              "alone's answer to the same request (a right prediction: the upper bound)")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
-    from cluster.model import models
-
     model_dir = str(models.prepare_default_model())
     items = edit_items(args.prompts + 1)
     # tandem takes its dtype from its config: each tandem side is given the run's (`tandem serve --set dtype=...`)
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             for proc in procs:
                 proc.stop()
     out = report(records, kept, names)
-    out.update(servers=args.servers, workload=args.workload, alone=args.alone, prompts=args.prompts, max_tokens=args.max_tokens,
-               dtype=args.dtype, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    out.update(servers=args.servers, workload=args.workload, alone=args.alone, prompts=args.prompts,
+               max_tokens=args.max_tokens, dtype=args.dtype, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     for name, row in out["sides"].items():
         print(f"{name:24s} {row['tokens_per_s']:7.1f} tok/s  x{row['ratio_over_vllm'] or 0:.2f}  "
               f"decode {row['decode_tokens_per_s']:6.1f} tok/s  "

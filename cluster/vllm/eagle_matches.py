@@ -24,8 +24,9 @@ EAGLE-3 forward at all (its cost, ~6% of a 16-stream step here, BENCHMARKS.md); 
 matches from then on, as their draft KV misses those tokens. A step whose requests all just sampled their first
 token (one stream's first step) runs EAGLE-3's KV pass over the prompts and drafts nothing: the first token leaves
 sooner (TTFT). A request's own prediction (OpenAI's Predicted Outputs, `cluster.vllm.predictions`) is a third
-candidate, priced by a table of its own: the row takes it where it is expected to have at least as many accepted. Pooled drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is kept:
-0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
+candidate, priced by a table of its own: the row takes it where it is expected to have at least as many accepted.
+Pooled drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is
+kept: 0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
 and the step keeps vLLM's own drafts.
 """
 

@@ -1,4 +1,4 @@
-"""Requests' predictions (OpenAI's Predicted Outputs) inside vLLM's workers: drafts before any other source.
+"""Requests' predictions (OpenAI's Predicted Outputs) inside vLLM's workers: one more source of drafts, priced.
 
 The front door puts a request's `SamplingParams.prediction` into vLLM's `extra_args` (`PREDICTION_KEY`,
 `cluster.vllm.engine.to_vllm_params`); vLLM carries it to every worker with the request, where the model runner

@@ -192,9 +192,9 @@ class TandemProposer:
             if s is None and drafter:
                 s = self.sessions[key] = _Session(opened=len(history) - num_new)
                 self.stats["sessions"] += 1
-            draft, at = predictions.propose(req_ids[i], history, limit, active) if predictions is not None \
-                else ([], 0)
-            if draft:  # the request's own prediction, priced, before any other source
+            draft, at = predictions.propose(req_ids[i], history, limit, active) if predictions else ([], 0)
+            predicted = bool(draft)
+            if predicted:  # the request's own prediction, priced, before any other source
                 predictions.give(req_ids[i], history, draft, at)
             if self._match is not None:
                 given = self._verdicts.pop(key, None)
@@ -211,8 +211,9 @@ class TandemProposer:
                         self._verdicts[key] = (match, len(draft), pooled)
                         self.stats["pooled_rows"] += int(pooled)
             if draft:  # drafted here (a prediction's, a match's): the drafter's session learns the verdict as a resync
-                self.stats["matched_rows"] += 1
-                self.stats["matched_tokens"] += len(draft)
+                if not predicted:  # a match's (a prediction's are counted as prediction_rows)
+                    self.stats["matched_rows"] += 1
+                    self.stats["matched_tokens"] += len(draft)
                 if s is not None:
                     s.given = 0
             elif drafter:

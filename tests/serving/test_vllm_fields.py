@@ -18,8 +18,7 @@ from tests.serving import API_KEY, METADATA, MODEL
 from tests.vllm_field_checks import (MAX_TOKENS, PROMPT, assert_cache_salt, assert_chat_echo,
                                      assert_chat_prompt_logprobs, assert_logprob_names_and_request_id,
                                      assert_prediction, assert_prompt_ids_and_special_tokens,
-                                     assert_responses_extensions,
-                                     assert_truncation, completion)
+                                     assert_responses_extensions, assert_truncation, completion)
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +43,22 @@ def test_logprob_names_and_request_id(client):
     assert_responses_extensions(client, MODEL)
 
 
-def test_prediction_drafts_and_changes_nothing(client):
+def test_prediction_drafts_and_changes_nothing(client, server):
     """OpenAI's Predicted Outputs on the torch backend: the exact prediction is drafted from in long rounds, so the
-    answer takes fewer rounds than without one, and more of its drafts are accepted."""
+    answer takes fewer rounds than without one, and more of its drafts are accepted; gRPC's `params.prediction`
+    (token ids) gives the same tokens and fewer rounds too."""
     plain, exact = assert_prediction(client, MODEL)
     assert exact["rounds"] < plain["rounds"] and exact["accepted"] > plain["accepted"], (plain, exact)
+    stub = rpc.GenerationStub(grpc.insecure_channel(server.grpc))
+
+    def generate(**params) -> tuple[list[int], int]:
+        request = pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=pb.SamplingParams(max_tokens=24, **params))
+        messages = list(stub.Generate(request, metadata=METADATA, timeout=120))
+        return [t for m in messages for t in m.token_ids], messages[-1].stats.rounds
+
+    tokens, rounds = generate()
+    predicted, fewer = generate(prediction=tokens)
+    assert predicted == tokens and fewer < rounds, (rounds, fewer)
 
 
 def test_prompt_logprobs_on_chat_and_grpc(client, server, tokenizer):

@@ -100,11 +100,12 @@ class SessionLoop:
         self.state.stats.draft_s += seconds
         self.estimates.record_draft(seconds, num_drafts)
 
-    def own_round(self, remaining: int, verifier_sessions: int) -> OwnRound | None:
-        """A round the loop drafts itself: the request's prediction's (`prediction_round`), else the session's own
-        suffix match (`own_match`), within the request's end and its own cap on drafts; None without one, or while
-        the verifiers are saturated (there a plain step's batch is cheapest)."""
-        own = self.prediction_round(remaining, verifier_sessions)
+    def own_round(self, remaining: int, verifier_sessions: int, prediction: bool = True) -> OwnRound | None:
+        """A round the loop drafts itself: the request's prediction's (`prediction_round`; `prediction` False: the
+        caller asked it already), else the session's own suffix match (`own_match`), within the request's end and
+        its own cap on drafts; None without one, or while the verifiers are saturated (there a plain step's batch is
+        cheapest)."""
+        own = self.prediction_round(remaining, verifier_sessions) if prediction else None
         s = self.state
         if own is not None or self.own_match is None or s.max_gamma <= 0 or s.policy.saturated(verifier_sessions):
             return own

@@ -63,7 +63,7 @@ class PipelinedChain:
                 if live:
                     return  # nothing to add: wait for the rounds in flight
                 bonus = True  # a plain decoding step, or the session's own match in its place
-                own = loop.own_round(remaining, p.verifier_sessions)
+                own = loop.own_round(remaining, p.verifier_sessions, prediction=False)  # asked above: nothing live
                 draft = own.draft if own is not None else None
             if not p.in_flight and stats.rounds > 0:
                 loop.metrics.add(pipeline_stalls=1)  # the verifier had nothing queued for this session

@@ -173,15 +173,16 @@ class EagleMatches:
             row = [] if rid in self.stale else out[i][:cap]
             use_pool = self.matcher.pool is not None and may_pool(self.runner, rid, i)
             draft, match, pooled = self.matcher.propose(history, cap, active, use_pool, group)
-            best = max(self.chain.expected(len(row)), self.matcher.pooled.expected(match, len(draft), pooled)
-                       if draft else 0.0)
+            eagle_expected = self.chain.expected(len(row))
+            match_expected = self.matcher.pooled.expected(match, len(draft), pooled) if draft else 0.0
             predicted, at = self.predictions.propose(rid, history, cap, active)  # the request's own prediction
-            if predicted and self.predictions.prices.expected(at, len(predicted)) >= best:
+            if predicted and self.predictions.prices.expected(at, len(predicted)) >= max(eagle_expected,
+                                                                                         match_expected):
                 out[i] = predicted
                 self.predictions.give(rid, history, predicted, at)
                 self.stats["drafted_rows"] += 1
                 continue
-            if draft and self.matcher.pooled.expected(match, len(draft), pooled) > self.chain.expected(len(row)):
+            if draft and match_expected > eagle_expected:
                 out[i] = draft
                 self.given[rid] = (len(history), draft, match, pooled, True)
                 self.stats["matched_rows"] += 1

@@ -55,6 +55,18 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_p
     assert out[0].tolist() == [2, -8, 2, -8, 4, 4]
 
 
+def test_a_repetition_penalty_near_zero_keeps_the_distribution_finite():
+    """A penalty near 0 divides a positive logit past float32's range; it becomes the largest finite value, so p
+    and q stay distributions (the schema fuzzing sent 5e-324: the verifier refused the drafter's NaN q, a 500)."""
+    params = SamplingParams(repetition_penalty=5e-324, temperature=0.5)
+    out = process_rows(_row(4, -4, 3, 0, 1, 2), params, prompt_ids=[0, 1], output_ids=[2], suffixes=[[]])
+    assert torch.isfinite(out).all() and out[0, 0] == out[0, 2] == torch.finfo(torch.float32).max
+    assert out[0, 1] == 0 and out[0, 3:].tolist() == [0, 1, 2]  # -4 * 5e-324 is -0.0: the rest as they were
+    probs = probabilities(out, params)[0]
+    assert torch.isfinite(probs).all() and probs.tolist() == pytest.approx([0.5, 0, 0.5, 0, 0, 0])
+    assert int(out[0].argmax()) == 0  # greedy: the first of the tied largest
+
+
 def test_logit_bias_min_tokens_allowed_ids():
     params = SamplingParams(logit_bias={0: 2.5, 5: -100}, max_tokens=8)
     assert process_rows(_row(0, 0, 0, 0, 0, 0), params, [], [], [[]])[0].tolist() == [2.5, 0, 0, 0, 0, -100]

@@ -26,7 +26,7 @@ import torch
 
 from cluster.core.errors import InvalidRequestError
 from cluster.core.grammar import mask_rows
-from cluster.core.sampling import SamplingParams
+from cluster.core.sampling import FLOAT32_MAX, SamplingParams
 
 
 def stop_ids(params: SamplingParams) -> list[int]:
@@ -116,7 +116,10 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seque
             if prompt_ids:
                 rep[:, torch.tensor(sorted(set(prompt_ids)), dtype=torch.long, device=device)] = True
             penalty = params.repetition_penalty
-            out = torch.where(rep, torch.where(out > 0, out / penalty, out * penalty), out)
+            # a penalty near 0 divides a positive logit past float32's range: +inf, and then no distribution (NaN
+            # probabilities). Such a logit is the largest finite value instead, for p and q alike (the fuzzing
+            # found the served path refusing its own draft's q at repetition_penalty 5e-324)
+            out = torch.where(rep, torch.where(out > 0, out / penalty, out * penalty), out).clamp(max=FLOAT32_MAX)
         if params.frequency_penalty:
             out -= params.frequency_penalty * counts
         if params.presence_penalty:

@@ -28,6 +28,8 @@ MAX_LOGPROBS = 20  # most likely alternatives returned per token (OpenAI's and v
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]  # vLLM's names (`cluster.core.logprobs`)
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max  # what a logit past float32's range is kept at (processors, probabilities)
+
 class SamplingParams(BaseModel):
     """How one request is decoded. `temperature == 0` is greedy decoding."""
 
@@ -167,6 +169,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits  # [n, vocab_size] -> probs  # [n, vocab_size], float32
     """
     logits = logits.float() / max(params.temperature, 1e-5)
+    if params.repetition_penalty < 1.0:  # processed logits up to FLOAT32_MAX (a penalty near 0): kept finite after
+        logits = logits.clamp(max=FLOAT32_MAX)  # the temperature too (+inf would make the softmax NaN)
     if params.min_p > 0.0:
         probs = logits.softmax(dim=-1)  # [n, vocab_size]
         threshold = probs.amax(dim=-1, keepdim=True) * params.min_p  # [n, 1]

@@ -34,8 +34,8 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if _WORKER e
 # test_structured, 118 s, to start last). test_vllm second: test_distributed, third, decodes 7 of
 # test_greedy_equality's prompts, whose references are then in the cache (started beside it, it computed them too).
 LONGEST_FIRST = ("test_greedy_equality", "test_vllm", "test_distributed", "test_serving", "test_vllm_fields",
-                 "test_failover", "test_vllm_serving", "test_sampling_e2e", "test_drafts", "test_bad_input",
-                 "test_structured", "test_fuzz", "test_hybrid", "test_feature_serving", "test_eagle3_serving",
+                 "test_fuzz", "test_failover", "test_vllm_serving", "test_sampling_e2e", "test_drafts",
+                 "test_bad_input", "test_structured", "test_hybrid", "test_feature_serving", "test_eagle3_serving",
                  "test_auth", "test_bf16", "test_processors", "test_tree", "test_models", "test_multinode",
                  "test_feature_draft")
 # Modules that start vLLM engines (each a Ray cluster, an engine core and its KV cache, GBs of memory): never two

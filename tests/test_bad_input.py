@@ -1,7 +1,7 @@
 """Bad input gets one clear error: engine, config, CLI, and the served HTTP and gRPC APIs (a table of
 malformed requests through the real Serve app; what OpenAI-ecosystem clients send is accepted), admission
-control and the per-request deadline. The schema-driven fuzzing has a server of its own (test_fuzz.py):
-this one's 8 s deadline sent 8 of 25 generated chat cases past it on a loaded machine."""
+control and the per-request deadline. The schema-driven fuzzing runs on tests/serving's application
+(serving/test_fuzz.py): this one's 8 s deadline sent 8 of 25 generated chat cases past it on a loaded machine."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The Serve application's tests that share one application (tests/serving/conftest.py's `server`): the API surface
-(test_serving, then test_vllm_fields) first, then failover (test_failover), whose kills come last. `make test`
-runs the package on one worker as one unit (tests/conftest.py, SHARED_PACKAGES)."""
+(test_serving, then test_vllm_fields) and the schema-driven fuzzing (test_fuzz) first, then failover
+(test_failover), whose kills come last. `make test` runs the package on one worker as one unit (tests/conftest.py,
+SHARED_PACKAGES)."""
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"

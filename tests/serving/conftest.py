@@ -1,6 +1,6 @@
-"""One Serve application for the package's modules (test_serving, test_vllm_fields, then test_failover): started
-once, stopped after the package's last test (a package-scoped fixture), one application start and stop fewer than
-a module each (~40 CPU-seconds on 2 cores)."""
+"""One Serve application for the package's modules (test_serving, test_vllm_fields, test_fuzz, then test_failover):
+started once, stopped after the package's last test (a package-scoped fixture), one application start and stop fewer
+than a module each (~40 CPU-seconds on 2 cores)."""
 
 from __future__ import annotations
 

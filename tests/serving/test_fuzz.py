@@ -1,6 +1,8 @@
-"""Schema-driven fuzzing of the HTTP API: schemathesis reads the live /openapi.json of a running Serve
-app and sends what it generates, valid (positive) and invalid (negative) requests. No response may be
-a 5xx, and every response must match the status codes, content types and bodies the document states.
+"""Schema-driven fuzzing of the HTTP API: schemathesis reads the live /openapi.json of the package's Serve
+application (tests/serving/conftest.py: no per-request deadline, so a slow generated case is not cut short) and sends
+what it generates, valid (positive) and invalid (negative) requests, with the application's API key. No response may
+be a 5xx, and every response must match the status codes, content types and bodies the document states. It runs
+before test_failover's kills (tests/conftest.py, LONGEST_FIRST).
 
 Bounded and deterministic: at most MAX_CASES (220) cases (derandomized Hypothesis, no example database)."""
 
@@ -17,11 +19,13 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.helpers import serve_app
+from tests.serving import API_KEY, MODEL
 
-MODEL = "SmolLM2-135M-Instruct"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_TOKENS = 4  # positive cases generate at most this many tokens, so that generation stays quick
+LIMITS = {"/v1/completions": "max_tokens", "/v1/chat/completions": "max_tokens", "/v1/responses": "max_output_tokens",
+          "/invocations": "max_tokens"}  # a generating body without a limit gets one (the app's default is 256)
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 # (method, path, generation mode, cases): MAX_CASES at most; positive cases generate, so fewer of them
 MAX_CASES = 220
@@ -40,21 +44,13 @@ assert sum(cases for *_, cases in OPERATIONS) <= MAX_CASES
 
 
 @pytest.fixture(scope="module")
-def server():
-    """The Serve application, small and fast: fp32 target, n-gram drafts."""
-    with serve_app(engine={"dtype": "float32", "proposer": "ngram", "num_speculative_tokens": 3, "threads": 1},
-                   default_max_tokens=MAX_TOKENS) as endpoints:
-        yield endpoints
-
-
-@pytest.fixture(scope="module")
 def api(server):
     return schemathesis.openapi.from_url(server.http + "/openapi.json")
 
 
 def _servable(case, vocab_size: int) -> None:
-    """Point a valid body at the served model, with token ids in its vocabulary and a small max_tokens,
-    so that positive cases reach generation (a random `model` would only ever get 404)."""
+    """Point a valid body at the served model, with token ids in its vocabulary and a small max_tokens (given
+    where the case has none), so that positive cases reach generation (a random `model` would only ever get 404)."""
     body = case.body
     body["model"] = MODEL
     for key in ("prompt", "tokens"):  # completions' token-id prompt, /detokenize's ids
@@ -63,6 +59,9 @@ def _servable(case, vocab_size: int) -> None:
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(key), (int, float)):
             body[key] = min(int(body[key]), MAX_TOKENS)
+    limit = LIMITS.get(case.operation.path)
+    if limit and not any(isinstance(body.get(key), (int, float)) for key in (limit, "max_completion_tokens")):
+        body[limit] = MAX_TOKENS
     if isinstance(body.get("n"), (int, float)):  # n choices are n sessions: at most 2 here
         body["n"] = min(int(body["n"]), 2)
         if body.get("best_of") is not None:
@@ -79,7 +78,7 @@ def test_fuzz_http_api(server, api, tokenizer, method, path, mode, examples):
     def check(case):
         if mode == POSITIVE and isinstance(case.body, dict):
             _servable(case, len(tokenizer))
-        response = case.call(base_url=server.http, timeout=120)
+        response = case.call(base_url=server.http, headers=HEADERS, timeout=120)
         case.validate_response(response, checks=CHECKS)
 
     check()

@@ -24,6 +24,7 @@ from cluster.core.config import EngineConfig
 from cluster.core.errors import ConfigError, InvalidRequestError
 from cluster.core.sampling import SamplingParams
 from cluster.session.speculate import SpeculativeDecoder
+from deployments.cli import main
 from drafts.factory import make_proposer
 from protos import pb, rpc
 from tests.helpers import serve_app, tiny_llama
@@ -79,20 +80,36 @@ def test_draft_directory_that_is_not_a_model(tmp_path, target_fp32, tokenizer):
         make_proposer(config, target_fp32, tokenizer)
 
 
-@pytest.mark.parametrize("args,message", [
+CLI_ERRORS = [
     (["generate", ""], "prompt is empty"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
     (["generate", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "hi", "--proposer", "magic"], "proposer"),
     (["generate", "hi", "--top-p", "2"], "top_p"),
-])
-def test_cli_errors_are_one_line_and_exit_non_zero(args, message):
+]
+
+
+def _one_error_line(stderr: str, message: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("tandem: error:") and message in lines[-1], stderr
+    assert "Traceback" not in stderr
+
+
+def test_cli_error_is_one_line_and_the_process_exits_2():
+    """The `tandem` process itself (its entry point, logging, exit status), for one of CLI_ERRORS."""
+    args, message = CLI_ERRORS[0]
     proc = subprocess.run([sys.executable, "-m", "deployments.cli", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("tandem: error:") and message in lines[-1], proc.stderr
-    assert "Traceback" not in proc.stderr
+    _one_error_line(proc.stderr, message)
+
+
+@pytest.mark.parametrize("args,message", CLI_ERRORS)
+def test_cli_errors_are_one_line_and_exit_non_zero(args, message, capsys):
+    """Each of CLI_ERRORS through the CLI's `main`, what the process runs (one process above: each start imports
+    torch, transformers and Ray, ~6 s of CPU)."""
+    assert main(args) == 2
+    _one_error_line(capsys.readouterr().err, message)
 
 
 # ---- the served APIs: every malformed request gets a 4xx / INVALID_ARGUMENT, never a 5xx ----------

@@ -3,6 +3,7 @@ exact; distillation raises acceptance; `validate` agrees with the loop; adaptive
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from cluster.core.sampling import SamplingParams
 from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
+from deployments.cli import main
 from drafts.draft_model import DraftModelProposer
 from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from drafts.small_draft import DraftSpec, build_draft, load_draft, save_draft
@@ -123,15 +125,25 @@ def test_adaptive_gamma_in_the_loop(target_fp32, tokenizer, prompt_ids, referenc
             assert len(counts) == 7 and counts[6] >= 3
 
 
-def test_validate_cli_gate(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    base = [sys.executable, "-m", "deployments.cli", "drafts", "validate", "--prompts", "2", "--max-tokens", "16",
-            "--max-gamma", "3", "--json", str(tmp_path / "v.json"), "--plot", str(tmp_path / "v.png")]
-    ok = subprocess.run(base + ["--min-acceptance", "0.1"], capture_output=True, text=True, env=env, timeout=600)
-    assert ok.returncode == 0, ok.stderr
-    assert "recommended γ" in ok.stdout and (tmp_path / "v.png").stat().st_size > 1000
-    gate = subprocess.run(base + ["--min-acceptance", "0.999"], capture_output=True, text=True, env=env, timeout=600)
-    assert gate.returncode == 1 and "below --min-acceptance" in gate.stderr
+def test_validate_cli_gate(tmp_path, capsys):
+    """`tandem drafts validate`: the report, its plot and JSON, and the gate's exit status: the process once (below
+    the gate: 1), and the CLI's `main` in this process above it (0; a second process would import torch,
+    transformers and Ray again, ~6 s of CPU)."""
+    base = ["drafts", "validate", "--prompts", "2", "--max-tokens", "16", "--max-gamma", "3", "--threads", "1"]
+    gate = subprocess.run([sys.executable, "-m", "deployments.cli", *base, "--min-acceptance", "0.999", "--json",
+                           str(tmp_path / "v.json"), "--plot", str(tmp_path / "v.png")],
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert gate.returncode == 1 and "below --min-acceptance" in gate.stderr, gate.stderr
+    assert "recommended γ" in gate.stdout and (tmp_path / "v.png").stat().st_size > 1000
+    alpha = json.loads((tmp_path / "v.json").read_text())["alpha"]
+    assert 0.1 < alpha < 0.999
+    threads = torch.get_num_threads()
+    try:
+        assert main([*base, "--min-acceptance", "0.1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    assert "recommended γ" in out.out and "below --min-acceptance" not in out.err
 
 
 def test_training_gives_the_callers_torch_threads_back():

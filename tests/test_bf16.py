@@ -31,18 +31,25 @@ def target_bf16(model_dir):
     return models.load_causal_lm(model_dir, "bfloat16", "cpu")
 
 
+PARAMS = SamplingParams(max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def target_only(target_bf16, tokenizer) -> list[list[int]]:
+    """Each prompt's target-only (plain) bf16 output, once for both kinds."""
+    plain = SpeculativeDecoder(TorchModelRunner(target_bf16), None, tokenizer, 0)
+    return [plain.generate(encode_prompt(tokenizer, text, chat), PARAMS).token_ids for text, chat in PROMPTS]
+
+
 @pytest.mark.parametrize("kind", ["draft", "ngram"])
-def test_bf16_divergence_only_at_near_ties(kind, target_bf16, tokenizer):
+def test_bf16_divergence_only_at_near_ties(kind, target_bf16, tokenizer, target_only):
     target = TorchModelRunner(target_bf16)
     proposer = DraftModelProposer(TorchModelRunner(quantized_copy(target_bf16))) if kind == "draft" else NGramProposer()
     speculative = SpeculativeDecoder(target, proposer, tokenizer, 4)
-    plain = SpeculativeDecoder(target, None, tokenizer, 0)
-    params = SamplingParams(max_tokens=48)
     compared = 0
-    for text, chat in PROMPTS:
+    for (text, chat), a in zip(PROMPTS, target_only):
         ids = encode_prompt(tokenizer, text, chat)
-        a = plain.generate(ids, params).token_ids
-        b = speculative.generate(ids, params).token_ids
+        b = speculative.generate(ids, PARAMS).token_ids
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if n is None:
             assert a == b

@@ -15,7 +15,7 @@ from transformers.utils import logging as hf_logging
 
 from cluster.core.config import PROPOSERS, EngineConfig
 from cluster.core.errors import ConfigError, InvalidRequestError, TandemError
-from cluster.core.sampling import SamplingParams
+from cluster.core.sampling import SamplingParams, prediction_seed, prediction_token_ids
 from cluster.model.models import encode_prompt, prepare_default_model
 from cluster.ray.runtime import ClusterConfig, TandemCluster
 from cluster.session.engine import build_decoder
@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--logprobs", type=int, help="with --json: each token's logprob and this many top ones (0 .. 20)")
     gen.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs")
+    gen.add_argument("--prediction", help="OpenAI's Predicted Outputs: text the answer is expected to match in large "
+                                          "part (a file being edited), drafted from and verified like any draft; "
+                                          "@PATH reads it from a file")
     _engine_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--distributed", action="store_true", help="run on a local Ray cluster (drafter actor, gRPC verifiers)")
@@ -94,6 +97,7 @@ def _generate(args) -> int:
                                   logprobs_mode=args.logprobs_mode)
     if not args.prompt:
         raise InvalidRequestError("the prompt is empty")
+    prediction = _prediction_text(args.prediction)
     config = EngineConfig.build(target=args.target, proposer=args.proposer, draft=args.draft,
                                 num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
                                 threads=args.threads, cache_dir=args.cache_dir, backend=args.engine)
@@ -102,6 +106,7 @@ def _generate(args) -> int:
 
         decoder = build_vllm_decoder(config, distributed=args.distributed)
         try:
+            params = _with_prediction(params, prediction, decoder.tokenizer)
             result = decoder.generate(encode_prompt(decoder.tokenizer, args.prompt, args.chat), params)
             print(f"[vllm: {json.dumps(decoder.stats())}]", file=sys.stderr)  # drafter hits, misses, fallbacks
         finally:
@@ -111,12 +116,17 @@ def _generate(args) -> int:
                                                     tensor_parallel_size=args.tensor_parallel_size,
                                                     num_verifier_replicas=args.replicas))
         try:
+            params = _with_prediction(params, prediction, cluster.tokenizer)
             result = cluster.generate(encode_prompt(cluster.tokenizer, args.prompt, args.chat), params)
         finally:
             cluster.shutdown()
     else:
         decoder = build_decoder(config)
+        params = _with_prediction(params, prediction, decoder.tokenizer)
         result = decoder.generate(encode_prompt(decoder.tokenizer, args.prompt, args.chat), params)
+        if params.prediction:
+            print(f"[prediction: {decoder.metrics.prediction_rounds} rounds drafted from it, "
+                  f"{decoder.metrics.prediction_accepted} of their tokens accepted]", file=sys.stderr)
     if args.json:
         logprobs = None if result.logprobs is None else \
             [{"token_id": t.token_id, "logprob": t.logprob, "top": [list(e) for e in t.top]} for t in result.logprobs]
@@ -128,6 +138,26 @@ def _generate(args) -> int:
         print(f"[{s.num_generated_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, acceptance rate "
               f"{s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}]", file=sys.stderr)
     return 0
+
+
+def _prediction_text(value: str | None) -> str | None:
+    """`--prediction`: the text itself, or @PATH's contents (read before any model loads: a bad path fails at once)."""
+    if not value or not value.startswith("@"):
+        return value or None
+    try:
+        return open(value[1:], encoding="utf-8").read()
+    except OSError as e:
+        raise InvalidRequestError(f"--prediction: cannot read {value[1:]}: {e}") from None
+
+
+def _with_prediction(params: SamplingParams, text: str | None, tokenizer) -> SamplingParams:
+    """The prediction's token ids (`prediction_token_ids`, as the API reads it), its seed mixed as where a request
+    enters the server (`prediction_seed`); `params` itself without one."""
+    ids = prediction_token_ids(text, tokenizer) if text else None
+    if not ids:
+        return params
+    seed = prediction_seed(params.seed, params.temperature, ids)
+    return SamplingParams.build(**{**params.model_dump(exclude_unset=True), "prediction": ids, "seed": seed})
 
 
 def engine_overrides(items: list[str]) -> dict:

@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.core.sampling import MAX_PREDICTION
+from cluster.core.errors import InvalidRequestError
+from cluster.core.sampling import prediction_token_ids
 from deployments.openai_body import ApiError
 
 
@@ -38,16 +39,12 @@ class Prediction(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def token_ids(self, tokenizer) -> list[int] | None:
-        """The prediction as the target's token ids, tokenized as an answer's text (no special tokens); None when
-        empty. ApiError past `MAX_PREDICTION` tokens."""
-        text = self.text()
-        if not text:
-            return None
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(ids) > MAX_PREDICTION:
-            raise ApiError(400, f"prediction: {len(ids)} tokens is more than this server's {MAX_PREDICTION}",
-                           param="prediction")
-        return ids
+        """The prediction as the target's token ids (`prediction_token_ids`); None when empty. ApiError past
+        `MAX_PREDICTION` tokens."""
+        try:
+            return prediction_token_ids(self.text(), tokenizer)
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), param="prediction") from None
 
 
 def prediction_details(prediction: list[int] | None, outputs: list[list[int]]) -> dict | None:

@@ -5,12 +5,16 @@ seed (the seed is mixed with the prediction where a request enters); usage count
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.core.sampling import SamplingParams, prediction_seed
 from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
+from deployments.cli import main
 from deployments.openai_prediction import Prediction, prediction_details
 from drafts.draft_model import DraftModelProposer
 from drafts.hybrid import HybridProposer
@@ -98,6 +102,25 @@ def test_greedy_output_is_plain_decodings_whatever_the_prediction(target_fp32, d
     rounds = spec.metrics.prediction_rounds  # a request's cap of 0 drafts: plain steps, the prediction unused
     spec.generate(prompt, SamplingParams(max_tokens=8, prediction=answer), max_speculative_tokens=0)
     assert spec.metrics.prediction_rounds == rounds
+
+
+def test_the_cli_drafts_from_a_prediction_file(tmp_path, capsys):
+    """`tandem generate --prediction @FILE` (in-process: the CLI's main): the same tokens as without it, drafted
+    from it (its rounds and accepted tokens on stderr); a file it cannot read is one error line, before any model
+    loads."""
+    base = ["generate", PROMPT, "--max-tokens", "24", "--dtype", "float32", "--proposer", "ngram", "--threads", "1",
+            "--json"]
+    assert main(base + ["--prediction", f"@{tmp_path / 'missing.txt'}"]) == 2
+    assert "--prediction: cannot read" in capsys.readouterr().err
+    with torch_threads(1):
+        assert main(base) == 0
+        plain = json.loads(capsys.readouterr().out)
+        (tmp_path / "answer.txt").write_text(plain["text"])
+        assert main(base + ["--prediction", f"@{tmp_path / 'answer.txt'}"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 24
+    rounds, accepted = map(int, re.search(r"prediction: (\d+) rounds drafted from it, (\d+)", out.err).groups())
+    assert rounds > 0 and accepted >= 12, out.err
 
 
 SAMPLE_PROMPT = [1, 4, 2, 7, 1, 4]

@@ -30,6 +30,7 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]  # vLLM's names (`c
 
 FLOAT32_MAX = torch.finfo(torch.float32).max  # what a logit past float32's range is kept at (processors, probabilities)
 
+
 class SamplingParams(BaseModel):
     """How one request is decoded. `temperature == 0` is greedy decoding."""
 
@@ -148,6 +149,15 @@ class SamplingParams(BaseModel):
         if self.seed is not None:
             return self
         return self.model_copy(update={"seed": int.from_bytes(os.urandom(8), "little") >> 1})
+
+
+def prediction_token_ids(text: str, tokenizer) -> list[int] | None:
+    """A prediction's text as the target's token ids, tokenized as an answer's text (no special tokens), where a
+    request enters (the HTTP API, the CLI); None when empty. InvalidRequestError past `MAX_PREDICTION` tokens."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    if len(ids) > MAX_PREDICTION:
+        raise InvalidRequestError(f"prediction: {len(ids)} tokens is more than this server's {MAX_PREDICTION}")
+    return ids or None
 
 
 def prediction_seed(seed: int | None, temperature: float, prediction: Sequence[int] | None) -> int | None:

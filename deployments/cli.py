@@ -153,7 +153,7 @@ def _prediction_text(value: str | None) -> str | None:
 def _with_prediction(params: SamplingParams, text: str | None, tokenizer) -> SamplingParams:
     """The prediction's token ids (`prediction_token_ids`, as the API reads it), its seed mixed as where a request
     enters the server (`prediction_seed`); `params` itself without one."""
-    ids = prediction_token_ids(text, tokenizer) if text else None
+    ids = prediction_token_ids(text or "", tokenizer)
     if not ids:
         return params
     seed = prediction_seed(params.seed, params.temperature, ids)

@@ -20,7 +20,7 @@ from drafts.policy import SpeculationPolicy, SpeculationPolicyConfig
 from drafts.small_draft import DraftSpec, build_draft, load_draft, save_draft
 from drafts.training.distill import DistillConfig, distill, greedy_agreement, stdlib_texts
 from drafts.training.validate import agreement, replay_rounds, validate
-from tests.helpers import OracleProposer
+from tests.helpers import OracleProposer, torch_threads
 
 PROMPTS = [
     ("def binary_search(items, target):\n", False),
@@ -137,11 +137,8 @@ def test_validate_cli_gate(tmp_path, capsys):
     assert "recommended γ" in gate.stdout and (tmp_path / "v.png").stat().st_size > 1000
     alpha = json.loads((tmp_path / "v.json").read_text())["alpha"]
     assert 0.1 < alpha < 0.999
-    threads = torch.get_num_threads()
-    try:
+    with torch_threads(1):  # the CLI sets its --threads; the worker's own are restored after
         assert main([*base, "--min-acceptance", "0.1"]) == 0
-    finally:
-        torch.set_num_threads(threads)
     out = capsys.readouterr()
     assert "recommended γ" in out.out and "below --min-acceptance" not in out.err
 

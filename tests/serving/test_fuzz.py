@@ -23,6 +23,7 @@ from tests.serving import API_KEY, MODEL
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_TOKENS = 4  # positive cases generate at most this many tokens, so that generation stays quick
+LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 LIMITS = {"/v1/completions": "max_tokens", "/v1/chat/completions": "max_tokens", "/v1/responses": "max_output_tokens",
           "/invocations": "max_tokens"}  # a generating body without a limit gets one (the app's default is 256)
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -56,12 +57,11 @@ def _servable(case, vocab_size: int) -> None:
     for key in ("prompt", "tokens"):  # completions' token-id prompt, /detokenize's ids
         if isinstance(body.get(key), list) and all(isinstance(t, (int, float)) for t in body[key]):
             body[key] = [int(t) % vocab_size for t in body[key]]
-    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        if isinstance(body.get(key), (int, float)):
-            body[key] = min(int(body[key]), MAX_TOKENS)
-    limit = LIMITS.get(case.operation.path)
-    if limit and not any(isinstance(body.get(key), (int, float)) for key in (limit, "max_completion_tokens")):
-        body[limit] = MAX_TOKENS
+    limits = [key for key in LIMIT_FIELDS if isinstance(body.get(key), (int, float))]
+    for key in limits:
+        body[key] = min(int(body[key]), MAX_TOKENS)
+    if not limits and case.operation.path in LIMITS:
+        body[LIMITS[case.operation.path]] = MAX_TOKENS
     if isinstance(body.get("n"), (int, float)):  # n choices are n sessions: at most 2 here
         body["n"] = min(int(body["n"]), 2)
         if body.get("best_of") is not None:

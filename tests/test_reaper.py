@@ -32,6 +32,43 @@ PARENT = textwrap.dedent("""
     time.sleep(300)
 """)
 
+# an "engine core" that, as vLLM's does, maps shared memory in /dev/shm (one file of its own, one that a bystander
+# maps too) and writes Intel OpenMP's registration file, with a "worker" that maps its own file; its parent starts
+# the reaper once they are in place, prints the pids and waits to be killed
+ENGINE = textwrap.dedent("""
+    import mmap, os, subprocess, sys, time
+    def share(name):
+        fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 4096)
+        mapped = mmap.mmap(fd, 4096)
+        mapped[0] = 1
+        return mapped
+    held = [share(name) for name in sys.argv[1:3]]
+    if len(sys.argv) > 3:
+        worker = subprocess.Popen([os.environ["ENGINE_PYTHON"], "-c", sys.argv[3], sys.argv[4], sys.argv[2]])
+    open(f"/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_0", "w").close()
+    time.sleep(300)
+""")
+PARENT_SHM = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from cluster.vllm import reaper
+    engine, own, shared, worker_own = sys.argv[1:5]
+    core = subprocess.Popen(["bash", "-c", 'exec -a VLLM::EngineCore "$0" "$@"', sys.executable, "-c", engine, own,
+                             shared, engine, worker_own], env={**os.environ, "ENGINE_PYTHON": sys.executable})
+    deadline = time.monotonic() + 30
+    def wait_for(ready):
+        while not ready():
+            if time.monotonic() > deadline or core.poll() is not None:
+                sys.exit("the engine did not start")
+            time.sleep(0.05)
+    wait_for(lambda: os.path.exists(f"/dev/shm/__KMP_REGISTERED_LIB_{core.pid}_0") and reaper.children_of(core.pid))
+    worker = reaper.children_of(core.pid)[0]
+    wait_for(lambda: os.path.exists(f"/dev/shm/__KMP_REGISTERED_LIB_{worker}_0"))
+    proc = reaper.watch(reaper.named_children(os.getpid(), reaper.ENGINE_CORE))
+    print(core.pid, worker, proc.pid if proc else 0, flush=True)
+    time.sleep(300)
+""")
+
 
 def _gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
@@ -89,6 +126,69 @@ def test_a_pid_reused_since_is_left_alone():
         assert bystander.wait(5) == -signal.SIGTERM
     finally:
         bystander.kill()
+
+
+def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(tmp_path):
+    """Ray kills a stopped replica's process group and its children: the engine's processes die before their own
+    cleanup. The reaper (detached: not a child of the process it watches) then removes the /dev/shm files they mapped
+    and their OpenMP files, and keeps a file another running process still maps."""
+    import mmap
+
+    tag = f"tandem-test-{os.getpid()}"
+    own, shared, worker_own = f"{tag}-core", f"{tag}-shared", f"{tag}-worker"
+    fd = os.open(f"/dev/shm/{shared}", os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    bystander_map = mmap.mmap(fd, 4096)  # this process maps the shared file, and runs on
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_SHM, ENGINE, own, shared, worker_own],
+                              stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        core, worker, reaper_pid = map(int, parent.stdout.readline().split())
+        assert reaper_pid and int(reaper._stat(reaper_pid)[1]) != parent.pid  # detached from the parent
+        assert {own, shared} <= reaper.shm_names(core) and {worker_own, shared} <= reaper.shm_names(worker)
+        kmp = [f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_0" for pid in (core, worker)]
+        assert all(os.path.exists(path) for path in kmp)
+        os.killpg(parent.pid, signal.SIGKILL)  # the parent, the engine core and its worker: one process group
+        parent.wait()
+        assert _gone(reaper_pid, 10)
+        assert not os.path.exists(f"/dev/shm/{own}") and not os.path.exists(f"/dev/shm/{worker_own}")
+        assert not any(os.path.exists(path) for path in kmp)
+        assert os.path.exists(f"/dev/shm/{shared}")  # still mapped here
+    finally:
+        parent.kill()
+        bystander_map.close()
+        os.close(fd)
+        for name in (own, shared, worker_own):
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
+
+
+def test_remove_leftovers_keeps_what_a_running_process_maps_and_a_running_pids_openmp_file():
+    """Unit: of the ended processes' names, a file no one maps is removed, one this process maps is kept; an OpenMP
+    file is removed only for a pid that no process has now."""
+    import mmap
+
+    tag = f"tandem-unit-{os.getpid()}"
+    paths = {name: f"/dev/shm/{tag}-{name}" for name in ("free", "mapped")}
+    for path in paths.values():
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    kmp_dead, kmp_mine = f"/dev/shm/__KMP_REGISTERED_LIB_{dead.pid}_0", f"/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_0"
+    for path in (kmp_dead, kmp_mine):
+        open(path, "w").close()
+    with open(paths["mapped"], "r+b") as f:
+        held = mmap.mmap(f.fileno(), 4096)
+    try:
+        removed = reaper.remove_leftovers([dead.pid, os.getpid()], [f"{tag}-free", f"{tag}-mapped"])
+        assert removed == sorted([f"{tag}-free", os.path.basename(kmp_dead)])
+        assert os.path.exists(paths["mapped"]) and os.path.exists(kmp_mine) and not os.path.exists(paths["free"])
+    finally:
+        held.close()
+        for path in [*paths.values(), kmp_dead, kmp_mine]:
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def test_no_process_of_its_own_means_no_reaper():

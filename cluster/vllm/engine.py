@@ -65,6 +65,11 @@ from cluster.vllm.worker import WORKER_EXTENSION  # noqa: E402
 log = logging.getLogger(__name__)
 
 METHODS = (None, "tandem", "ngram", "eagle3")
+# vLLM's own shutdown waits up to 5 s for its engine core (whose teardown, its workers' exit and a garbage collection,
+# frees nothing that outlives the processes), then kills the core and its workers; measured here: 5.0 s every time,
+# the core still in its teardown. Killed after this long instead; what a killed engine leaves in /dev/shm, its
+# reaper removes (`cluster.vllm.reaper`).
+SHUTDOWN_S = 1.0
 _SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
 
@@ -282,7 +287,7 @@ class VLLMEngine:
         if llm is None:
             return
         try:
-            llm.llm_engine.engine_core.shutdown()
+            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
         except Exception:  # noqa: BLE001
             log.debug("vLLM shutdown", exc_info=True)
         self.llm = None

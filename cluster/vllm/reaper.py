@@ -5,10 +5,19 @@ their own children (vLLM's workers).
 vLLM's engine core is a child process of the `AsyncLLM` that started it, and stops when that client shuts it
 down. A replica that Ray kills (`ray.kill`, a shutdown that outran its timeout, the OOM killer) runs no
 shutdown: its engine core and workers were left running with init as their parent, each keeping its KV cache
-and its OpenMP threads' spin on the cores (found beside the peer bench, BENCHMARKS.md). The reaper is its own
-session, so a signal to the replica's process group does not reach it; it polls the parent once every
-`POLL_S`, and names each process by pid and start time, so a pid reused after the engine ended is left alone.
-Stops are logged. Linux only (/proc); elsewhere `watch` logs that it does nothing and returns None.
+and its OpenMP threads' spin on the cores (found beside the peer bench, BENCHMARKS.md). The reaper is detached
+(not the replica's child, in a session of its own), so neither a signal to the replica's process group nor Ray's
+cleanup of a worker's children reaches it; it polls the parent once every `POLL_S`, and names each process by pid
+and start time, so a pid reused after the engine ended is left alone. Stops are logged. Linux only (/proc);
+elsewhere `watch` logs that it does nothing and returns None.
+
+An engine process killed before its own cleanup (Ray's cleanup of a stopped replica's processes, the reaper's
+SIGKILL, vLLM's own shutdown, which kills its engine core after 5 s) leaves files in /dev/shm: vLLM's two message
+queues (160 and 240 MiB, sparse: the pages they touched stay in memory) and Intel OpenMP's registration file per
+process. Measured before this: each stop of a Serve application on vLLM left these four files. Whichever way the
+engine ends, the reaper then removes the /dev/shm files its processes mapped that no running process maps, and their
+OpenMP files (`remove_leftovers`), and logs it. (A multiprocessing semaphore the replica made, one page, no longer
+mapped by anyone, stays: Python's resource tracker, which Ray kills with the replica, would have removed it.)
 
 Nothing here imports vLLM, torch or Ray."""
 
@@ -21,14 +30,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 ENGINE_CORE = "VLLM::EngineCore"  # vLLM's title for its engine core process
 POLL_S = 0.5  # how often the reaper looks at its parent
+OBSERVE_S = 5.0  # how often it notes the engine's processes (workers started since) and the shared memory they map
 TERM_WAIT_S = 5.0  # SIGTERM, then this long for the engine's own shutdown, then SIGKILL
 PROC = Path("/proc")
+SHM = Path("/dev/shm")
+KMP_FILE = "__KMP_REGISTERED_LIB_{pid}_"  # Intel OpenMP's file per process in /dev/shm, removed at a clean exit
 
 
 def _stat(pid: int | str) -> list[str] | None:
@@ -111,18 +124,94 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def reap_when_parent_ends(parent: int, parent_started: int, watched: dict[int, int], poll_s: float = POLL_S) -> list[int]:
-    """Wait while `parent` (as it started) runs; then stop those of `watched` (pid: start time) still running
-    and their descendants. Returns the pids stopped."""
+def shm_names(pid: int | str) -> set[str]:
+    """The /dev/shm files the process maps (POSIX shared memory and named semaphores), by name."""
+    try:
+        lines = (PROC / str(pid) / "maps").read_text(errors="replace").splitlines()
+    except OSError:
+        return set()
+    prefix = f"{SHM}/"
+    return {path[len(prefix):] for line in lines if len(fields := line.split(None, 5)) == 6
+            and (path := fields[5]).startswith(prefix) and not path.endswith(" (deleted)")}
+
+
+def remove_leftovers(ended: Iterable[int], names: Iterable[str]) -> list[str]:
+    """Remove what the processes `ended` (none of them running) left in /dev/shm: the files of `names` (what they
+    mapped) that no running process maps, and Intel OpenMP's file of each pid that no process has now. Files of
+    another user are left (/dev/shm is sticky). Returns the names removed."""
+    in_use = set().union(*(shm_names(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()))
+    paths = [SHM / name for name in set(names) - in_use if "/" not in name]
+    paths += [path for pid in ended if start_time(pid) is None for path in SHM.glob(KMP_FILE.format(pid=pid) + "*")]
+    removed = []
+    for path in paths:
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path.name)
+    return sorted(removed)
+
+
+class _Engine:
+    """The engine's processes as the reaper has seen them (pid: start time; the watched ones and their
+    descendants) and the /dev/shm files they mapped."""
+
+    def __init__(self, watched: dict[int, int]):
+        self.procs, self.names, self.observed = dict(watched), set(), 0.0
+
+    def observe(self) -> None:
+        for pid, started in list(self.procs.items()):
+            if alive(pid, started):
+                self.procs.update({p: s for p in descendants(pid) if (s := start_time(p)) is not None})
+        self.names |= set().union(*(shm_names(p) for p, s in self.procs.items() if alive(p, s)))
+        self.observed = time.monotonic()
+
+    def running(self) -> bool:
+        return any(alive(p, s) for p, s in self.procs.items())
+
+    def clean(self, wait_s: float = 2.0) -> list[str]:
+        deadline = time.monotonic() + wait_s  # a SIGKILLed process takes a moment to go
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        removed = remove_leftovers([p for p, s in self.procs.items() if not alive(p, s)], self.names)
+        if removed:
+            log.info("removed what the engine's processes left in %s: %s", SHM, removed)
+        return removed
+
+
+def reap_when_parent_ends(parent: int, parent_started: int, watched: dict[int, int], poll_s: float = POLL_S,
+                          observe_s: float = OBSERVE_S) -> list[int]:
+    """Wait while `parent` (as it started) runs; then stop those of `watched` (pid: start time) and of their
+    descendants (as seen while the parent ran, and since) still running. Either way, once the engine's processes
+    have ended, remove what they left in /dev/shm. Returns the pids stopped."""
+    engine = _Engine(watched)
+    engine.observe()
     while alive(parent, parent_started):
-        if not any(alive(p, s) for p, s in watched.items()):
-            return []  # the engine ended with its replica's own shutdown: nothing to do
+        if not engine.running():
+            engine.clean()  # the engine ended with its replica's own shutdown: no process to stop
+            return []
+        if time.monotonic() - engine.observed >= observe_s:
+            engine.observe()
         time.sleep(poll_s)
-    return stop([p for p, s in watched.items() if alive(p, s)])
+    engine.observe()
+    stopped = stop([p for p, s in engine.procs.items() if alive(p, s)])  # a worker may outlive its engine core
+    engine.clean()
+    return stopped
 
 
-def watch(children: Iterable[int], what: str = "vLLM engine") -> subprocess.Popen | None:
-    """Start the reaper for `children` of this process (see the module docstring); None where /proc is not."""
+@dataclass(frozen=True)
+class Reaper:
+    """A running reaper: its pid (not this process's child: it was detached at its start)."""
+    pid: int
+
+
+def watch(children: Iterable[int], what: str = "vLLM engine") -> Reaper | None:
+    """Start the reaper for `children` of this process (see the module docstring); None where /proc is not.
+
+    The reaper detaches itself (the process started here forks it and exits): Ray kills a worker's direct
+    children when the worker exits (`RAY_kill_child_processes_on_worker_exit`) and its process group
+    (`RAY_process_group_cleanup_enabled`), so a direct child, even in a session of its own, died with the replica
+    and never removed what the engine had left."""
     if not PROC.is_dir():
         log.warning("no reaper for the %s (no /proc): it may outlive this process if this process is killed", what)
         return None
@@ -134,13 +223,19 @@ def watch(children: Iterable[int], what: str = "vLLM engine") -> subprocess.Pope
             *(f"{pid}:{s}" for pid, s in pids.items())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH")]))}
     env.pop("LD_PRELOAD", None)
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-    log.info("the %s's processes %s are reaped if this process (%d) ends without stopping them (reaper %d)",
-             what, sorted(pids), os.getpid(), proc.pid)
-    return proc
+    with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True, env=env,
+                          text=True) as starter:
+        line = starter.stdout.readline().strip()
+    if not line.isdigit():
+        log.warning("the %s's reaper did not start (exit status %s): its processes may outlive this process if it is "
+                    "killed", what, starter.returncode)
+        return None
+    log.info("the %s's processes %s are reaped if this process (%d) ends without stopping them (reaper %s)",
+             what, sorted(pids), os.getpid(), line)
+    return Reaper(int(line))
 
 
-def watch_engine(what: str = "vLLM engine") -> subprocess.Popen | None:
+def watch_engine(what: str = "vLLM engine") -> Reaper | None:
     """`watch` this process's vLLM engine cores: called once its engine has started."""
     return watch(engine_cores(), what)
 
@@ -150,6 +245,10 @@ def _root() -> str:
 
 
 def main(argv: list[str]) -> int:
+    if child := os.fork():  # detached (`watch`): the process `watch` started says the reaper's pid and ends
+        print(child, flush=True)
+        return 0
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # `watch` reads until the line; let go of its pipe
     logging.basicConfig(level=logging.INFO, format="tandem reaper %(process)d: %(message)s")
     parent, parent_started = int(argv[0]), int(argv[1])
     watched = {int(p): int(s) for p, s in (item.split(":") for item in argv[2:])}

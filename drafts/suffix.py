@@ -197,6 +197,11 @@ class PricedMatch:
             total += p
         return total
 
+    def fresh(self) -> "PricedMatch":
+        """A table of the same settings at its prior, as if it had learned nothing."""
+        return PricedMatch(self.max_tokens, self.max_match, self.max_ngram, self.threshold, self.per_row, self.weight,
+                           self.match_factor, self.busy_rows)
+
     def learn(self, match: int, drafted: int, accepted: int) -> None:
         """A verdict: of `drafted` tokens drafted after a match of length `match`, the first `accepted`
         were accepted. Tokens 0..accepted were tried (the ones before them right), 0..accepted-1 right."""

@@ -224,3 +224,52 @@ def test_eagle3_forward_runs_only_for_rows_that_can_take_its_drafts():
     batch.num_prompt_tokens, batch.num_tokens_no_spec = np.array([4, 4, 4]), np.array([8, 8, 8])
     batch.token_ids_cpu = np.array([prompt + out] * 3)
     assert runner.drafter.propose(16) == [[], [], [7, 7, 7]] and calls == [3, 3]
+
+
+def test_a_seeded_sampled_rows_drafts_do_not_depend_on_what_other_requests_taught_the_tables():
+    """vLLM draws a seeded request's random numbers from its own generator, as many a step as it has drafts: drafts
+    priced by tables that learn from every request's verdicts gave the same seeded request another answer each time.
+    A seeded sampled row (`seeded_row`) is decided by the priors: after the shared tables learned that matches are
+    always wrong and EAGLE-3's drafts always right, a greedy row switches to EAGLE-3's draft and a seeded row still
+    drafts as an untaught proposer does. Stand-in runner as above (named so)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cluster.vllm.eagle_matches import EagleMatches
+    from cluster.vllm.proposer import seeded_row
+    from cluster.vllm.protocol import InlineMatches
+
+    class FakeEagleProposer:  # test double of vLLM's EagleProposer: drafts 7s
+        method = "eagle3"
+
+        def propose(self, num_speculative_tokens, *args, **kwargs):
+            return np.full((2, num_speculative_tokens), 7)
+
+    history = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5]  # a repeat: a long match continues with 6 9 1 2
+
+    def proposer():
+        batch = SimpleNamespace(req_ids=["g", "s"], num_prompt_tokens=np.array([4, 4]),
+                                num_tokens_no_spec=np.array([len(history)] * 2), token_ids_cpu=np.array([history] * 2),
+                                greedy_reqs={"g"}, generators={1: object()})  # row 1: seeded and sampled
+        runner = SimpleNamespace(drafter=FakeEagleProposer(), input_batch=batch, requests={"g": 1, "s": 1},
+                                 speculative_config=SimpleNamespace(disable_padded_drafter_batch=True,
+                                                                    draft_sample_method="greedy"))
+        matches = EagleMatches(runner, InlineMatches(kind="priced", max_tokens=16, threshold=0.01), gamma=3)
+        matches.install()
+        return runner, matches
+
+    runner, matches = proposer()
+    assert not seeded_row(runner, "g", 0) and seeded_row(runner, "s", 1)
+    untaught = runner.drafter.propose(16)
+    assert untaught[0] == untaught[1] and untaught[0][:4] == [6, 9, 1, 2]  # the match wins at the priors
+    for _ in range(300):  # other requests' verdicts: every match wrong at once, every EAGLE-3 draft right
+        for match in range(1, 17):
+            matches.matcher.learn(match, 8, 0)
+        matches.chain.learn(3, 3)
+    runner.requests = {"g": 1, "s": 1}
+    matches.given.clear()
+    taught = runner.drafter.propose(16)
+    assert taught[0] == [7, 7, 7]  # the greedy row follows what was learned
+    assert taught[1] == untaught[1]  # the seeded row drafts as the untaught proposer did
+    assert proposer()[0].drafter.propose(16)[1] == taught[1]

@@ -25,8 +25,9 @@ matches from then on, as their draft KV misses those tokens. A step whose reques
 token (one stream's first step) runs EAGLE-3's KV pass over the prompts and drafts nothing: the first token leaves
 sooner (TTFT). A request's own prediction (OpenAI's Predicted Outputs, `cluster.vllm.predictions`) is a third
 candidate, priced by a table of its own: the row takes it where it is expected to have at least as many accepted.
-Pooled drafts only for greedy and unseeded sampled requests (`may_pool`). A request's draft cap (`RequestKey`) is
-kept: 0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
+Pooled drafts only for greedy and unseeded sampled requests; a seeded sampled request's row is decided by the
+tables' priors, which never learn (`seeded_row`: its answer then does not change with other requests). A request's
+draft cap (`RequestKey`) is kept: 0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
 and the step keeps vLLM's own drafts.
 """
 
@@ -36,7 +37,7 @@ import logging
 import threading
 from collections import Counter
 
-from cluster.vllm.proposer import InlineMatcher, may_pool
+from cluster.vllm.proposer import InlineMatcher, seeded_row
 from cluster.vllm.predictions import RequestPredictions
 from cluster.vllm.protocol import InlineMatches, RequestKey
 from drafts.prediction import prediction_prices
@@ -90,6 +91,7 @@ class EagleMatches:
         self.runner, self.gamma, self.schedule = runner, gamma, schedule
         self.matcher = InlineMatcher(matches)
         self.chain = ChainAcceptance()
+        self.prior_chain = ChainAcceptance()  # a seeded sampled request's: never learns (`seeded_row`)
         self.stats: Counter = Counter()
         self.predictions = RequestPredictions(runner, self.stats, prediction_prices(
             matches.max_tokens, matches.threshold, matches.per_row, matches.busy_rows))  # requests' own predictions
@@ -171,13 +173,14 @@ class EagleMatches:
             group = keys[i].group  # its cache salt's: pooled among its own group only
             self.matcher.track(rid, int(batch.num_prompt_tokens[i]), history, group)  # pooled when it ends
             row = [] if rid in self.stale else out[i][:cap]
-            use_pool = self.matcher.pool is not None and may_pool(self.runner, rid, i)
-            draft, match, pooled = self.matcher.propose(history, cap, active, use_pool, group)
-            eagle_expected = self.chain.expected(len(row))
-            match_expected = self.matcher.pooled.expected(match, len(draft), pooled) if draft else 0.0
-            predicted, at = self.predictions.propose(rid, history, cap, active)  # the request's own prediction
-            if predicted and self.predictions.prices.expected(at, len(predicted)) >= max(eagle_expected,
-                                                                                         match_expected):
+            seeded = seeded_row(self.runner, rid, i)  # then priced by the priors: its drafts depend on it alone
+            use_pool = self.matcher.pool is not None and not seeded
+            draft, match, pooled = self.matcher.propose(history, cap, active, use_pool, group, seeded)
+            eagle_expected = (self.prior_chain if seeded else self.chain).expected(len(row))
+            match_expected = self.matcher.expected(match, len(draft), pooled, seeded) if draft else 0.0
+            predicted, at = self.predictions.propose(rid, history, cap, active, seeded)  # its own prediction
+            if predicted and self.predictions.expected(rid, at, len(predicted)) >= max(eagle_expected,
+                                                                                       match_expected):
                 out[i] = predicted
                 self.predictions.give(rid, history, predicted, at)
                 self.stats["drafted_rows"] += 1

@@ -28,27 +28,35 @@ class RequestPredictions:
 
     def __init__(self, runner, stats: Counter, prices: PricedMatch):
         self.runner, self.stats, self.prices = runner, stats, prices
+        self.prior = prices.fresh()  # a seeded sampled request's table, never learning (`proposer.seeded_row`)
         self._matches: dict[str, tuple[PredictionMatch, int] | None] = {}  # rid -> (its match, prompt length)
         self._given: dict[str, tuple[int, list[int], int]] = {}  # rid -> (history length, draft, match) given last
 
-    def _lookup(self, rid: str) -> tuple[PredictionMatch, int] | None:
+    def _lookup(self, rid: str, seeded: bool = False) -> tuple[PredictionMatch, int] | None:
         if rid not in self._matches:
             state = (getattr(self.runner, "requests", None) or {}).get(rid)
             params = getattr(state, "sampling_params", None)
             ids = ((getattr(params, "extra_args", None) or {}).get(PREDICTION_KEY)) if params is not None else None
-            self._matches[rid] = (PredictionMatch(ids, self.prices), int(state.num_prompt_tokens)) if ids else None
+            prices = self.prior if seeded else self.prices
+            self._matches[rid] = (PredictionMatch(ids, prices), int(state.num_prompt_tokens)) if ids else None
         return self._matches[rid]
 
-    def propose(self, rid: str, history: list[int], limit: int, rows: int = 1) -> tuple[list[int], int]:
-        """Row `rid`'s drafts from its prediction, at most `limit`, priced for a step of `rows` rows, and their match
-        length (([], 0): none, or no prediction); `history`: its committed tokens (prompt and output). The caller
-        `give`s the draft it hands to vLLM."""
+    def propose(self, rid: str, history: list[int], limit: int, rows: int = 1,
+                seeded: bool = False) -> tuple[list[int], int]:
+        """Row `rid`'s drafts from its prediction, at most `limit`, priced for a step of `rows` rows (a `seeded`
+        sampled request's by the prior), and their match length (([], 0): none, or no prediction); `history`: its
+        committed tokens (prompt and output). The caller `give`s the draft it hands to vLLM."""
         self._verdict(rid, history)
-        found = self._lookup(rid) if limit > 0 else None
+        found = self._lookup(rid, seeded) if limit > 0 else None
         if found is None:
             return [], 0
         match, prompt = found
         return match.propose(history[prompt:], limit, rows)
+
+    def expected(self, rid: str, match: int, drafted: int) -> float:
+        """The tokens row `rid`'s prediction draft is expected to have accepted, by the table that priced it."""
+        found = self._matches.get(rid)
+        return found[0].expected(match, drafted) if found else 0.0
 
     def give(self, rid: str, history: list[int], draft: list[int], match: int) -> None:
         """`draft` (from `propose`) goes to vLLM for row `rid`: its verdict is learned at the request's next step."""

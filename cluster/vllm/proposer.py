@@ -192,7 +192,8 @@ class TandemProposer:
             if s is None and drafter:
                 s = self.sessions[key] = _Session(opened=len(history) - num_new)
                 self.stats["sessions"] += 1
-            draft, at = predictions.propose(req_ids[i], history, limit, active) if predictions else ([], 0)
+            seeded = seeded_row(self.runner, req_ids[i], i)
+            draft, at = predictions.propose(req_ids[i], history, limit, active, seeded) if predictions else ([], 0)
             predicted = bool(draft)
             if predicted:  # the request's own prediction, priced, before any other source
                 predictions.give(req_ids[i], history, draft, at)
@@ -205,8 +206,9 @@ class TandemProposer:
                     self.stats["inline_verdict_accepted"] += accepted
                 self._match.track(key, len(history) - num_new, history, request_key.group)
                 if not draft:
-                    use_pool = self._match.pool is not None and may_pool(self.runner, req_ids[i], i)
-                    draft, match, pooled = self._match.propose(history, limit, active, use_pool, request_key.group)
+                    use_pool = self._match.pool is not None and not seeded
+                    draft, match, pooled = self._match.propose(history, limit, active, use_pool, request_key.group,
+                                                               seeded)
                     if draft:
                         self._verdicts[key] = (match, len(draft), pooled)
                         self.stats["pooled_rows"] += int(pooled)
@@ -353,21 +355,31 @@ class InlineMatcher:
         self.pool = SuffixPool(matches.pool_tokens, matches.max_ngram, matches.max_match) \
             if self.priced is not None and matches.pool_tokens else None
         self.pooled = PooledPricedMatch(self.priced, self.pool) if self.priced is not None else None
+        # a seeded sampled request's matches: priced by the prior, which never learns (`seeded_row`)
+        self.prior = PooledPricedMatch(self.priced.fresh(), None) if self.priced is not None else None
         # request -> (prompt length, committed tokens, salt group), for the pool
         self.outputs: dict[str, tuple[int, list[int], str | None]] = {}
 
     def propose(self, history: list[int], limit: int, rows: int, use_pool: bool = False,
-                group: str | None = None) -> tuple[list[int], int, bool]:
-        """`group`: the request's salt group (`RequestKey.group`): pooled drafts come from its group's outputs."""
+                group: str | None = None, seeded: bool = False) -> tuple[list[int], int, bool]:
+        """`group`: the request's salt group (`RequestKey.group`): pooled drafts come from its group's outputs.
+        `seeded`: a seeded sampled request's (`seeded_row`): priced by the prior, never from the pool."""
         if self.pooled is not None:
+            if seeded:
+                return self.prior.propose(history, limit, rows, False, group)
             return self.pooled.propose(history, limit, rows, use_pool, group)
         if self.own is not None:
             return self.own.propose(history, limit), 0, False
         return ngram_lookup(history, min(limit, self.matches.max_tokens), self.matches.max_ngram), 0, False
 
     def learn(self, match: int, drafted: int, accepted: int, pooled: bool = False) -> None:
+        """A verdict, learned by the shared table (a seeded request's verdicts too: the prior stays as it is)."""
         if self.pooled is not None:
             self.pooled.learn(match, drafted, accepted, pooled)
+
+    def expected(self, match: int, drafted: int, pooled: bool = False, seeded: bool = False) -> float:
+        """The tokens a priced draft is expected to have accepted, by the table that priced it."""
+        return (self.prior if seeded else self.pooled).expected(match, drafted, pooled)
 
     def track(self, key: str, prompt: int, history: list[int], group: str | None = None) -> None:
         """Request `key`'s committed tokens so far (its prompt: the first `prompt` of them when first tracked); its
@@ -384,15 +396,20 @@ class InlineMatcher:
         return len(gone)
 
 
-def may_pool(runner, rid: str, row: int) -> bool:
-    """Whether row `row` (vLLM's request `rid`) may take another request's output as its draft: a greedy one,
-    or a sampled one without a seed. A seeded request's random numbers could be those that made a pooled
-    output (the same seed), and a draft must not depend on them; its own tokens' matches stay."""
+def seeded_row(runner, rid: str, row: int) -> bool:
+    """Whether row `row` (vLLM's request `rid`) is a seeded sampled request's (a runner that does not say: taken as
+    one). vLLM draws its random numbers from the request's own generator, as many at a step as it has drafts to
+    verify, so what it samples depends on how many tokens each step drafted: drafts priced by tables that learn
+    from every request's verdicts made the same seeded request give another answer each time (measured: 3 of 12
+    seeded requests the same three times running, 12 of 12 with vLLM's EAGLE-3 alone). Its drafts are priced by
+    the tables' priors instead, which never learn: they depend on its own tokens, its prediction and the step's
+    rows, as vLLM's own methods' drafts do. Nor does it take another request's output from the pool: its random
+    numbers could be those that made a pooled output (the same seed), and a draft must not depend on them."""
     batch = runner.input_batch
     greedy, seeded = getattr(batch, "greedy_reqs", None), getattr(batch, "generators", None)
-    if greedy is None or seeded is None:  # a runner that does not say: no pooled drafts
-        return False
-    return rid in greedy or row not in seeded
+    if greedy is None or seeded is None:
+        return True
+    return rid not in greedy and row in seeded
 
 
 PROPOSER_CLASS = f"{TandemProposer.__module__}.{TandemProposer.__qualname__}"  # vLLM's `speculative_config.model`

@@ -108,7 +108,7 @@ def test_the_pool_matches_only_outputs_of_the_sessions_own_salt_group():
     """Each output is pooled under its request's salt group and matched only by that group (None: unsalted), through
     the pool, the priced matches over it and the vLLM proposer's matcher (tracked, then pooled when gone); one budget
     holds every group, and eviction leaves no empty entry."""
-    from cluster.vllm.proposer import InlineMatcher
+    from cluster.vllm.inline import InlineMatcher
     from cluster.vllm.protocol import InlineMatches
     from drafts.suffix import PooledPricedMatch, PricedMatch, SuffixPool
 
@@ -237,7 +237,7 @@ def test_a_seeded_sampled_rows_drafts_do_not_depend_on_what_other_requests_taugh
     import numpy as np
 
     from cluster.vllm.eagle_matches import EagleMatches
-    from cluster.vllm.proposer import seeded_row
+    from cluster.vllm.inline import seeded_row
     from cluster.vllm.protocol import InlineMatches
 
     class FakeEagleProposer:  # test double of vLLM's EagleProposer: drafts 7s

@@ -37,7 +37,7 @@ import logging
 import threading
 from collections import Counter
 
-from cluster.vllm.proposer import InlineMatcher, seeded_row
+from cluster.vllm.inline import InlineMatcher, seeded_row
 from cluster.vllm.predictions import RequestPredictions
 from cluster.vllm.protocol import InlineMatches, RequestKey
 from drafts.prediction import prediction_prices

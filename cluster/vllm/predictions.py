@@ -28,7 +28,7 @@ class RequestPredictions:
 
     def __init__(self, runner, stats: Counter, prices: PricedMatch):
         self.runner, self.stats, self.prices = runner, stats, prices
-        self.prior = prices.fresh()  # a seeded sampled request's table, never learning (`proposer.seeded_row`)
+        self.prior = prices.fresh()  # a seeded sampled request's table, never learning (`inline.seeded_row`)
         self._matches: dict[str, tuple[PredictionMatch, int] | None] = {}  # rid -> (its match, prompt length)
         self._given: dict[str, tuple[int, list[int], int]] = {}  # rid -> (history length, draft, match) given last
 

@@ -27,8 +27,8 @@ sooner (TTFT). A request's own prediction (OpenAI's Predicted Outputs, `cluster.
 candidate, priced by a table of its own: the row takes it where it is expected to have at least as many accepted.
 Pooled drafts only for greedy and unseeded sampled requests; a seeded sampled request's row is decided by the
 tables' priors, which never learn (`seeded_row`: its answer then does not change with other requests). A request's
-draft cap (`RequestKey`) is kept: 0 means plain decoding. An exception here would kill vLLM's engine: it is logged, counted (`proposer_errors`)
-and the step keeps vLLM's own drafts.
+draft cap (`RequestKey`) is kept: 0 means plain decoding. An exception here would kill vLLM's engine: it is logged,
+counted (`proposer_errors`) and the step keeps vLLM's own drafts.
 """
 
 from __future__ import annotations

@@ -174,8 +174,7 @@ class EagleMatches:
             self.matcher.track(rid, int(batch.num_prompt_tokens[i]), history, group)  # pooled when it ends
             row = [] if rid in self.stale else out[i][:cap]
             seeded = seeded_row(self.runner, rid, i)  # then priced by the priors: its drafts depend on it alone
-            use_pool = self.matcher.pool is not None and not seeded
-            draft, match, pooled = self.matcher.propose(history, cap, active, use_pool, group, seeded)
+            draft, match, pooled = self.matcher.propose(history, cap, active, group=group, seeded=seeded)
             eagle_expected = (self.prior_chain if seeded else self.chain).expected(len(row))
             match_expected = self.matcher.expected(match, len(draft), pooled, seeded) if draft else 0.0
             predicted, at = self.predictions.propose(rid, history, cap, active, seeded)  # its own prediction

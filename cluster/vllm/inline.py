@@ -11,7 +11,7 @@ from drafts.suffix import OwnMatch, PooledPricedMatch, PricedMatch, SuffixPool
 
 
 class InlineMatcher:
-    """The inline matches of an `InlineMatches`: `propose(history, limit, rows, use_pool)` -> (draft, match
+    """The inline matches of an `InlineMatches`: `propose(history, limit, rows, ...)` -> (draft, match
     length, pooled), `learn(match, drafted, accepted, pooled)` (only priced matches learn); priced matches with
     `pool_tokens` also draw on the pool of finished requests' outputs (`pool`): each request's tokens are
     `track`ed while it runs and pooled once it is gone (`pool_finished`)."""
@@ -30,10 +30,11 @@ class InlineMatcher:
         # request -> (prompt length, committed tokens, salt group), for the pool
         self.outputs: dict[str, tuple[int, list[int], str | None]] = {}
 
-    def propose(self, history: list[int], limit: int, rows: int, use_pool: bool = False,
+    def propose(self, history: list[int], limit: int, rows: int, use_pool: bool = True,
                 group: str | None = None, seeded: bool = False) -> tuple[list[int], int, bool]:
-        """`group`: the request's salt group (`RequestKey.group`): pooled drafts come from its group's outputs.
-        `seeded`: a seeded sampled request's (`seeded_row`): priced by the prior, never from the pool."""
+        """`use_pool`: where a pool is kept, draw on it. `group`: the request's salt group (`RequestKey.group`):
+        pooled drafts come from its group's outputs. `seeded`: a seeded sampled request's (`seeded_row`): priced
+        by the prior, never from the pool."""
         if self.pooled is not None:
             if seeded:
                 return self.prior.propose(history, limit, rows, False, group)

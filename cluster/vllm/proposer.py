@@ -205,9 +205,8 @@ class TandemProposer:
                     self.stats["inline_verdict_accepted"] += accepted
                 self._match.track(key, len(history) - num_new, history, request_key.group)
                 if not draft:
-                    use_pool = self._match.pool is not None and not seeded
-                    draft, match, pooled = self._match.propose(history, limit, active, use_pool, request_key.group,
-                                                               seeded)
+                    draft, match, pooled = self._match.propose(history, limit, active, group=request_key.group,
+                                                               seeded=seeded)
                     if draft:
                         self._verdicts[key] = (match, len(draft), pooled)
                         self.stats["pooled_rows"] += int(pooled)

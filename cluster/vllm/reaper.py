@@ -180,12 +180,15 @@ class _Engine:
 
 
 def reap_when_parent_ends(parent: int, parent_started: int, watched: dict[int, int], poll_s: float = POLL_S,
-                          observe_s: float = OBSERVE_S) -> list[int]:
+                          observe_s: float = OBSERVE_S, ready=None) -> list[int]:
     """Wait while `parent` (as it started) runs; then stop those of `watched` (pid: start time) and of their
     descendants (as seen while the parent ran, and since) still running. Either way, once the engine's processes
-    have ended, remove what they left in /dev/shm. Returns the pids stopped."""
+    have ended, remove what they left in /dev/shm. Returns the pids stopped. `ready()`, when given, is called once
+    the engine's processes and files have been noted."""
     engine = _Engine(watched)
     engine.observe()
+    if ready is not None:
+        ready()
     while alive(parent, parent_started):
         if not engine.running():
             engine.clean()  # the engine ended with its replica's own shutdown: no process to stop
@@ -208,7 +211,8 @@ class Reaper:
 def watch(children: Iterable[int], what: str = "vLLM engine") -> Reaper | None:
     """Start the reaper for `children` of this process (see the module docstring); None where /proc is not.
 
-    The reaper detaches itself (the process started here forks it and exits): Ray kills a worker's direct
+    Returns once the reaper has noted the engine's processes and the files they map (it says its pid then). The
+    reaper detaches itself (the process started here forks it and exits): Ray kills a worker's direct
     children when the worker exits (`RAY_kill_child_processes_on_worker_exit`) and its process group
     (`RAY_process_group_cleanup_enabled`), so a direct child, even in a session of its own, died with the replica
     and never removed what the engine had left."""
@@ -245,15 +249,18 @@ def _root() -> str:
 
 
 def main(argv: list[str]) -> int:
-    if child := os.fork():  # detached (`watch`): the process `watch` started says the reaper's pid and ends
-        print(child, flush=True)
+    if os.fork():  # detached (`watch`): the process `watch` started ends at once
         return 0
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # `watch` reads until the line; let go of its pipe
+
+    def ready() -> None:  # `watch` returns once the reaper has noted the engine's processes and files; then its pipe
+        print(os.getpid(), flush=True)  # is let go
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
     logging.basicConfig(level=logging.INFO, format="tandem reaper %(process)d: %(message)s")
     parent, parent_started = int(argv[0]), int(argv[1])
     watched = {int(p): int(s) for p, s in (item.split(":") for item in argv[2:])}
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the replica's stop, not this
-    stopped = reap_when_parent_ends(parent, parent_started, watched)
+    stopped = reap_when_parent_ends(parent, parent_started, watched, ready=ready)
     if stopped:
         log.warning("process %d ended with its engine still running: stopped %s", parent, stopped)
     return 0

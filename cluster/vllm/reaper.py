@@ -19,6 +19,12 @@ engine ends, the reaper then removes the /dev/shm files its processes mapped tha
 OpenMP files (`remove_leftovers`), and logs it. (A multiprocessing semaphore the replica made, one page, no longer
 mapped by anyone, stays: Python's resource tracker, which Ray kills with the replica, would have removed it.)
 
+Each vLLM process (the replica's or CLI's client, its engine core, its worker) binds ZMQ IPC sockets under
+`VLLM_RPC_BASE_PATH` (the temporary directory) and closes them without removing their files, even at a clean
+shutdown: six files per engine started, 2,320 of them in /tmp on this machine (2026-12-07). The reaper notes the
+socket files the engine's processes and its parent bound there, and once they are bound no more (their processes
+ended, or closed them), removes them (`release_sockets`).
+
 Nothing here imports vLLM, torch or Ray."""
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,6 +50,8 @@ TERM_WAIT_S = 5.0  # SIGTERM, then this long for the engine's own shutdown, then
 PROC = Path("/proc")
 SHM = Path("/dev/shm")
 KMP_FILE = "__KMP_REGISTERED_LIB_{pid}_"  # Intel OpenMP's file per process in /dev/shm, removed at a clean exit
+RPC_DIR = Path(os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir())  # where vLLM binds its IPC sockets
+RELEASE_WAIT_S = 2.0  # how long the reaper waits for a client's sockets to close once its engine has ended
 
 
 def _stat(pid: int | str) -> list[str] | None:
@@ -152,18 +162,71 @@ def remove_leftovers(ended: Iterable[int], names: Iterable[str]) -> list[str]:
     return sorted(removed)
 
 
+def unix_sockets() -> dict[int, str]:
+    """The Unix sockets bound to a file: inode to path (/proc/net/unix)."""
+    try:
+        lines = (PROC / "net" / "unix").read_text(errors="replace").splitlines()[1:]
+    except OSError:
+        return {}
+    return {int(fields[6]): fields[7] for line in lines if len(fields := line.split(None, 7)) == 8
+            and fields[7].startswith("/")}
+
+
+def bound_sockets(pid: int | str, table: dict[int, str] | None = None, where: Path = RPC_DIR) -> set[str]:
+    """The socket files in `where` that the process has bound (its descriptors' sockets that `table`,
+    `unix_sockets()` by default, names)."""
+    table = unix_sockets() if table is None else table
+    fd_dir, out = PROC / str(pid) / "fd", set()
+    try:
+        fds = list(fd_dir.iterdir())
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:[") and (path := table.get(int(link[8:-1]))) and Path(path).parent == where:
+            out.add(path)
+    return out
+
+
+def release_sockets(paths: Iterable[str], wait_s: float = 0.0) -> list[str]:
+    """Remove the socket files of `paths` that no socket is bound to, after waiting up to `wait_s` for all of
+    them to be let go; the names removed. A file that is not a socket, or that a socket is still bound to, stays."""
+    paths = set(paths)
+    deadline = time.monotonic() + wait_s
+    while paths & set(unix_sockets().values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    removed = []
+    for path in sorted(paths - set(unix_sockets().values())):
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+                removed.append(os.path.basename(path))
+        except OSError:
+            continue
+    return removed
+
+
 class _Engine:
     """The engine's processes as the reaper has seen them (pid: start time; the watched ones and their
-    descendants) and the /dev/shm files they mapped."""
+    descendants), the /dev/shm files they mapped, and the IPC socket files they and their client (`parent`, pid:
+    start time) bound."""
 
-    def __init__(self, watched: dict[int, int]):
-        self.procs, self.names, self.observed = dict(watched), set(), 0.0
+    def __init__(self, watched: dict[int, int], parent: dict[int, int] | None = None):
+        self.procs, self.parent, self.observed = dict(watched), parent or {}, 0.0
+        self.names: set[str] = set()
+        self.sockets: set[str] = set()
 
     def observe(self) -> None:
         for pid, started in list(self.procs.items()):
             if alive(pid, started):
                 self.procs.update({p: s for p in descendants(pid) if (s := start_time(p)) is not None})
-        self.names |= set().union(*(shm_names(p) for p, s in self.procs.items() if alive(p, s)))
+        running = [p for p, s in [*self.procs.items(), *self.parent.items()] if alive(p, s)]
+        self.names |= set().union(*(shm_names(p) for p in running if p not in self.parent))
+        table = unix_sockets()
+        self.sockets |= set().union(*(bound_sockets(p, table) for p in running))
         self.observed = time.monotonic()
 
     def running(self) -> bool:
@@ -176,7 +239,10 @@ class _Engine:
         removed = remove_leftovers([p for p, s in self.procs.items() if not alive(p, s)], self.names)
         if removed:
             log.info("removed what the engine's processes left in %s: %s", SHM, removed)
-        return removed
+        sockets = release_sockets(self.sockets, RELEASE_WAIT_S)  # the client closes its own after its engine ends
+        if sockets:
+            log.info("removed the engine's IPC socket files in %s: %s", RPC_DIR, sockets)
+        return removed + sockets
 
 
 def reap_when_parent_ends(parent: int, parent_started: int, watched: dict[int, int], poll_s: float = POLL_S,
@@ -185,7 +251,7 @@ def reap_when_parent_ends(parent: int, parent_started: int, watched: dict[int, i
     descendants (as seen while the parent ran, and since) still running. Either way, once the engine's processes
     have ended, remove what they left in /dev/shm. Returns the pids stopped. `ready()`, when given, is called once
     the engine's processes and files have been noted."""
-    engine = _Engine(watched)
+    engine = _Engine(watched, {parent: parent_started})
     engine.observe()
     if ready is not None:
         ready()

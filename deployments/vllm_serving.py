@@ -178,11 +178,12 @@ class TandemLLMServer(_server_base()):
                 resources=placement.get("resources"), scheduling_strategy="DEFAULT",  # not in the replica's group
                 max_restarts=-1)
         skip_llm_telemetry_actor()
+        sockets = reaper.socket_files()  # the reaper removes the IPC socket files the engine's start leaves
         # vLLM's engine core and workers, started in super().__init__, inherit it; this process does not load it
         with engine_processes_on_intel_openmp(config.vllm.intel_openmp and config.verifier.placement.num_gpus == 0):
             await super().__init__(llm_config, **kwargs)
         # a replica Ray kills (a shutdown past its timeout, ray.kill, the OOM killer) takes its engine with it
-        self.reaper = reaper.watch_engine()
+        self.reaper = reaper.watch_engine(sockets_before=sockets)
         if self.tandem_proposer:
             tuning = {k: tandem[k] for k in ("overlap", "wait_s", "on_miss", "wait_first", "max_k")}
             if self.drafter is not None:

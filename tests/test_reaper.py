@@ -34,8 +34,8 @@ PARENT = textwrap.dedent("""
 
 # an "engine core" that, as vLLM's does, maps shared memory in /dev/shm (one file of its own, one that a bystander
 # maps too), binds a Unix socket under VLLM_RPC_BASE_PATH and writes Intel OpenMP's registration file, with a
-# "worker" that maps its own file and binds its own socket; its parent binds one too (vLLM's client), starts the
-# reaper once they are in place, prints the pids and waits to be killed
+# "worker" that maps its own file and binds its own socket; its parent binds one too (vLLM's client) and one it
+# closes (the handshake's), starts the reaper once they are in place, prints the pids and waits to be killed
 ENGINE = textwrap.dedent("""
     import mmap, os, socket, subprocess, sys, time
     ipc = socket.socket(socket.AF_UNIX)
@@ -56,8 +56,11 @@ PARENT_SHM = textwrap.dedent("""
     import os, socket, subprocess, sys, time
     from cluster.vllm import reaper
     engine, own, shared, worker_own = sys.argv[1:5]
-    client = socket.socket(socket.AF_UNIX)
+    before = reaper.socket_files()
+    client, handshake = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
     client.bind(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], own + "-client.sock"))
+    handshake.bind(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], own + "-handshake.sock"))
+    handshake.close()  # as vLLM's client does once its engine has started: the file stays
     core = subprocess.Popen(["bash", "-c", 'exec -a VLLM::EngineCore "$0" "$@"', sys.executable, "-c", engine, own,
                              shared, engine, worker_own], env={**os.environ, "ENGINE_PYTHON": sys.executable})
     deadline = time.monotonic() + 30
@@ -69,7 +72,7 @@ PARENT_SHM = textwrap.dedent("""
     wait_for(lambda: os.path.exists(f"/dev/shm/__KMP_REGISTERED_LIB_{core.pid}_0") and reaper.children_of(core.pid))
     worker = reaper.children_of(core.pid)[0]
     wait_for(lambda: os.path.exists(f"/dev/shm/__KMP_REGISTERED_LIB_{worker}_0"))
-    proc = reaper.watch(reaper.named_children(os.getpid(), reaper.ENGINE_CORE))
+    proc = reaper.watch(reaper.named_children(os.getpid(), reaper.ENGINE_CORE), sockets=reaper.socket_files() - before)
     print(core.pid, worker, proc.pid if proc else 0, flush=True)
     time.sleep(300)
 """)
@@ -137,7 +140,7 @@ def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(
     """Ray kills a stopped replica's process group and its children: the engine's processes die before their own
     cleanup. The reaper (detached: not a child of the process it watches) then removes the /dev/shm files they mapped
     and their OpenMP files, and keeps a file another running process still maps; and the IPC socket files the engine's
-    processes and the parent bound under VLLM_RPC_BASE_PATH."""
+    processes and the parent bound under VLLM_RPC_BASE_PATH, and one made and closed while the engine started."""
     import mmap
 
     tag = f"tandem-test-{os.getpid()}"
@@ -146,7 +149,7 @@ def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(
     os.ftruncate(fd, 4096)
     bystander_map = mmap.mmap(fd, 4096)  # this process maps the shared file, and runs on
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "VLLM_RPC_BASE_PATH": str(tmp_path)}
-    sockets = [tmp_path / f"{name}.sock" for name in (own, worker_own, f"{own}-client")]
+    sockets = [tmp_path / f"{name}.sock" for name in (own, worker_own, f"{own}-client", f"{own}-handshake")]
     parent = subprocess.Popen([sys.executable, "-c", PARENT_SHM, ENGINE, own, shared, worker_own],
                               stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:

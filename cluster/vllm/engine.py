@@ -196,10 +196,11 @@ class VLLMEngine:
                 kwargs["async_scheduling"] = False
         kwargs.update(llm_kwargs or {})
         t0 = time.perf_counter()
+        sockets = reaper.socket_files()  # the reaper removes the IPC socket files the engine's start leaves
         with engine_processes_on_intel_openmp(not torch.cuda.is_available()):  # cluster.vllm.openmp
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
-        self.reaper = reaper.watch_engine()  # no orphan if this process is killed
+        self.reaper = reaper.watch_engine(sockets_before=sockets)  # no orphan if this process is killed
         self.fix = self.llm.collective_rpc("tandem_apply_fixes")[0]  # in every worker, before any request
         self.eagle3_matches = method == "eagle3" and eagle3_matches is not None
         if self.eagle3_matches:

@@ -21,9 +21,10 @@ mapped by anyone, stays: Python's resource tracker, which Ray kills with the rep
 
 Each vLLM process (the replica's or CLI's client, its engine core, its worker) binds ZMQ IPC sockets under
 `VLLM_RPC_BASE_PATH` (the temporary directory) and closes them without removing their files, even at a clean
-shutdown: six files per engine started, 2,320 of them in /tmp on this machine (2026-12-07). The reaper notes the
-socket files the engine's processes and its parent bound there, and once they are bound no more (their processes
-ended, or closed them), removes them (`release_sockets`).
+shutdown: seven files per engine started, 2,320 of them in /tmp on this machine (2026-12-07). The reaper notes the
+socket files the engine's processes and its parent bound there, and those made while the engine started (its
+handshake's, closed before the reaper starts: `socket_files` before and after), and once they are bound no more
+(their processes ended, or closed them), removes them (`release_sockets`).
 
 Nothing here imports vLLM, torch or Ray."""
 
@@ -191,6 +192,22 @@ def bound_sockets(pid: int | str, table: dict[int, str] | None = None, where: Pa
     return out
 
 
+def socket_files(where: Path = RPC_DIR) -> set[str]:
+    """The socket files in `where` now (whoever made them)."""
+    out = set()
+    try:
+        entries = list(os.scandir(where))
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                out.add(entry.path)
+        except OSError:
+            continue
+    return out
+
+
 def release_sockets(paths: Iterable[str], wait_s: float = 0.0) -> list[str]:
     """Remove the socket files of `paths` that no socket is bound to, after waiting up to `wait_s` for all of
     them to be let go; the names removed. A file that is not a socket, or that a socket is still bound to, stays."""
@@ -214,10 +231,10 @@ class _Engine:
     descendants), the /dev/shm files they mapped, and the IPC socket files they and their client (`parent`, pid:
     start time) bound."""
 
-    def __init__(self, watched: dict[int, int], parent: dict[int, int] | None = None):
+    def __init__(self, watched: dict[int, int], parent: dict[int, int] | None = None, sockets: Iterable[str] = ()):
         self.procs, self.parent, self.observed = dict(watched), parent or {}, 0.0
         self.names: set[str] = set()
-        self.sockets: set[str] = set()
+        self.sockets: set[str] = set(sockets)
 
     def observe(self) -> None:
         for pid, started in list(self.procs.items()):
@@ -246,12 +263,13 @@ class _Engine:
 
 
 def reap_when_parent_ends(parent: int, parent_started: int, watched: dict[int, int], poll_s: float = POLL_S,
-                          observe_s: float = OBSERVE_S, ready=None) -> list[int]:
+                          observe_s: float = OBSERVE_S, ready=None, sockets: Iterable[str] = ()) -> list[int]:
     """Wait while `parent` (as it started) runs; then stop those of `watched` (pid: start time) and of their
     descendants (as seen while the parent ran, and since) still running. Either way, once the engine's processes
-    have ended, remove what they left in /dev/shm. Returns the pids stopped. `ready()`, when given, is called once
-    the engine's processes and files have been noted."""
-    engine = _Engine(watched, {parent: parent_started})
+    have ended, remove what they left in /dev/shm, and the socket files they, the parent or `sockets` name that no
+    socket is bound to. Returns the pids stopped. `ready()`, when given, is called once the engine's processes and
+    files have been noted."""
+    engine = _Engine(watched, {parent: parent_started}, sockets)
     engine.observe()
     if ready is not None:
         ready()
@@ -274,8 +292,9 @@ class Reaper:
     pid: int
 
 
-def watch(children: Iterable[int], what: str = "vLLM engine") -> Reaper | None:
+def watch(children: Iterable[int], what: str = "vLLM engine", sockets: Iterable[str] = ()) -> Reaper | None:
     """Start the reaper for `children` of this process (see the module docstring); None where /proc is not.
+    `sockets`: socket files the engine made that its processes may no longer hold (removed with theirs).
 
     Returns once the reaper has noted the engine's processes and the files they map (it says its pid then). The
     reaper detaches itself (the process started here forks it and exits): Ray kills a worker's direct
@@ -290,7 +309,7 @@ def watch(children: Iterable[int], what: str = "vLLM engine") -> Reaper | None:
         log.info("no reaper for the %s: no process of its own", what)
         return None
     argv = [sys.executable, "-m", "cluster.vllm.reaper", str(os.getpid()), str(start_time(os.getpid())),
-            *(f"{pid}:{s}" for pid, s in pids.items())]
+            *(f"{pid}:{s}" for pid, s in pids.items()), *sorted(str(path) for path in sockets)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH")]))}
     env.pop("LD_PRELOAD", None)
     with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True, env=env,
@@ -305,9 +324,11 @@ def watch(children: Iterable[int], what: str = "vLLM engine") -> Reaper | None:
     return Reaper(int(line))
 
 
-def watch_engine(what: str = "vLLM engine") -> Reaper | None:
-    """`watch` this process's vLLM engine cores: called once its engine has started."""
-    return watch(engine_cores(), what)
+def watch_engine(what: str = "vLLM engine", sockets_before: set[str] | None = None) -> Reaper | None:
+    """`watch` this process's vLLM engine cores: called once its engine has started. `sockets_before`: the
+    `socket_files()` from before the engine started, so that those made since are removed with the engine's."""
+    made = socket_files() - sockets_before if sockets_before is not None else set()
+    return watch(engine_cores(), what, made)
 
 
 def _root() -> str:
@@ -324,9 +345,10 @@ def main(argv: list[str]) -> int:
 
     logging.basicConfig(level=logging.INFO, format="tandem reaper %(process)d: %(message)s")
     parent, parent_started = int(argv[0]), int(argv[1])
-    watched = {int(p): int(s) for p, s in (item.split(":") for item in argv[2:])}
+    watched = {int(p): int(s) for p, s in (item.split(":") for item in argv[2:] if not item.startswith("/"))}
+    sockets = [item for item in argv[2:] if item.startswith("/")]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the replica's stop, not this
-    stopped = reap_when_parent_ends(parent, parent_started, watched, ready=ready)
+    stopped = reap_when_parent_ends(parent, parent_started, watched, ready=ready, sockets=sockets)
     if stopped:
         log.warning("process %d ended with its engine still running: stopped %s", parent, stopped)
     return 0

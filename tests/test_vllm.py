@@ -768,7 +768,10 @@ def test_inline_matches_of_a_tandem_config():
 def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_path):
     """`drafts.eagle3_model.export_vllm` writes what vLLM's `eagle3` method loads, and vLLM runs the same draft:
     a draft fitted to these prompts' answers (50 steps of the EAGLE-3 objective) accepts, inside vLLM's
-    step, exactly the drafts the torch draft predicts round by round; the greedy output is the target's."""
+    step, exactly the drafts the torch draft predicts round by round; the greedy output is the target's. So does
+    vLLM's drafter without its padded batch (tandem's default's), each prompt twice: without
+    `patch.fix_eagle_seq_lens` a prompt sent again accepted one token fewer (its later drafts read KV slots an
+    earlier request had left)."""
     from drafts.eagle3_model import Eagle3Draft, export_vllm
     from tools.eagle3 import chained_rounds, right_drafts, ttt_forward, ttt_loss
 
@@ -818,6 +821,22 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
         engine.shutdown()
     assert counted == predicted, (counted, predicted)
     assert sum(a for _, a in counted) > 0.5 * sum(r for r, _ in counted), counted  # the fitted draft is right
+    # tandem's default runs vLLM's drafter without its padded batch (drafts of any length per row, after vLLM's
+    # bookkeeping): the same drafts, however often a prompt is sent (`patch.fix_eagle_seq_lens`)
+    speculative = {"method": "eagle3", "model": str(out), "num_speculative_tokens": gamma,
+                   "disable_padded_drafter_batch": True}
+    engine = VLLMEngine(path, dtype="float32", method="eagle3", eagle3_dir=str(out), num_speculative_tokens=gamma,
+                        llm_kwargs={"speculative_config": speculative, "async_scheduling": False})
+    try:
+        unpadded = []
+        for name in [*prompts, *prompts]:
+            before = engine.spec_metrics()
+            assert engine.generate(prompts[name], GREEDY).token_ids == reference[name], name
+            after = engine.spec_metrics()
+            unpadded.append((after["drafts"] - before["drafts"], after["accepted_tokens"] - before["accepted_tokens"]))
+    finally:
+        engine.shutdown()
+    assert unpadded == predicted + predicted, (unpadded, predicted)
     with pytest.raises(ConfigError, match="eagle3_dir"):
         VLLMEngine(path, method="eagle3", eagle3_dir=str(tmp_path / "missing"))
 

@@ -136,7 +136,20 @@ def test_a_pid_reused_since_is_left_alone():
         bystander.kill()
 
 
-def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(tmp_path):
+@pytest.fixture
+def sockets_dir():
+    """A short directory for Unix sockets (a socket's path is at most 107 bytes; pytest's tmp_path under xdist went past
+    it in a clean-clone run)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="tandem-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(sockets_dir):
     """Ray kills a stopped replica's process group and its children: the engine's processes die before their own
     cleanup. The reaper (detached: not a child of the process it watches) then removes the /dev/shm files they mapped
     and their OpenMP files, and keeps a file another running process still maps; and the IPC socket files the engine's
@@ -148,8 +161,8 @@ def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(
     fd = os.open(f"/dev/shm/{shared}", os.O_CREAT | os.O_RDWR, 0o600)
     os.ftruncate(fd, 4096)
     bystander_map = mmap.mmap(fd, 4096)  # this process maps the shared file, and runs on
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "VLLM_RPC_BASE_PATH": str(tmp_path)}
-    sockets = [tmp_path / f"{name}.sock" for name in (own, worker_own, f"{own}-client", f"{own}-handshake")]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "VLLM_RPC_BASE_PATH": str(sockets_dir)}
+    sockets = [sockets_dir / f"{name}.sock" for name in (own, worker_own, f"{own}-client", f"{own}-handshake")]
     parent = subprocess.Popen([sys.executable, "-c", PARENT_SHM, ENGINE, own, shared, worker_own],
                               stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -158,7 +171,7 @@ def test_a_killed_engine_leaves_nothing_in_dev_shm_that_no_running_process_maps(
         assert {own, shared} <= reaper.shm_names(core) and {worker_own, shared} <= reaper.shm_names(worker)
         kmp = [f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_0" for pid in (core, worker)]
         assert all(os.path.exists(path) for path in kmp)
-        assert reaper.bound_sockets(core, where=tmp_path) == {str(sockets[0])}
+        assert reaper.bound_sockets(core, where=sockets_dir) == {str(sockets[0])}
         assert all(path.is_socket() for path in sockets)
         os.killpg(parent.pid, signal.SIGKILL)  # the parent, the engine core and its worker: one process group
         parent.wait()
@@ -204,13 +217,13 @@ def test_remove_leftovers_keeps_what_a_running_process_maps_and_a_running_pids_o
                 os.unlink(path)
 
 
-def test_release_sockets_removes_only_socket_files_no_socket_is_bound_to(tmp_path):
+def test_release_sockets_removes_only_socket_files_no_socket_is_bound_to(sockets_dir):
     """Unit: a socket file whose socket was closed is removed; one a socket is still bound to, and a plain file, stay.
     With a wait, a socket closed meanwhile is removed too."""
     import socket
     import threading
 
-    paths = {name: str(tmp_path / name) for name in ("closed", "bound", "plain", "later")}
+    paths = {name: str(sockets_dir / name) for name in ("closed", "bound", "plain", "later")}
     sockets = {name: socket.socket(socket.AF_UNIX) for name in ("closed", "bound", "later")}
     for name, sock in sockets.items():
         sock.bind(paths[name])

@@ -765,6 +765,17 @@ def test_inline_matches_of_a_tandem_config():
 # -- vLLM's own EAGLE-3 method on tandem's exported EAGLE-3 draft ------------------------------------------------
 
 
+def _counted_greedy(engine: VLLMEngine, prompts: dict, reference: dict, names: list) -> list[tuple[int, int]]:
+    """Each named prompt greedy, one at a time (its output the reference's): vLLM's (drafts, accepted tokens) for it."""
+    counted = []
+    for name in names:
+        before = engine.spec_metrics()
+        assert engine.generate(prompts[name], GREEDY).token_ids == reference[name], name
+        after = engine.spec_metrics()
+        counted.append((after["drafts"] - before["drafts"], after["accepted_tokens"] - before["accepted_tokens"]))
+    return counted
+
+
 def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_path):
     """`drafts.eagle3_model.export_vllm` writes what vLLM's `eagle3` method loads, and vLLM runs the same draft:
     a draft fitted to these prompts' answers (50 steps of the EAGLE-3 objective) accepts, inside vLLM's
@@ -811,12 +822,7 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
     engine = decoder.engine
     assert engine.method == "eagle3" and decoder.stats()["proposer"] == {}  # vLLM's method as it is: no tandem part
     try:
-        counted = []
-        for name in prompts:  # one at a time: vLLM's counters per prompt
-            before = engine.spec_metrics()
-            assert engine.generate(prompts[name], GREEDY).token_ids == reference[name], name
-            after = engine.spec_metrics()
-            counted.append((after["drafts"] - before["drafts"], after["accepted_tokens"] - before["accepted_tokens"]))
+        counted = _counted_greedy(engine, prompts, reference, list(prompts))
     finally:
         engine.shutdown()
     assert counted == predicted, (counted, predicted)
@@ -828,12 +834,7 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
     engine = VLLMEngine(path, dtype="float32", method="eagle3", eagle3_dir=str(out), num_speculative_tokens=gamma,
                         llm_kwargs={"speculative_config": speculative, "async_scheduling": False})
     try:
-        unpadded = []
-        for name in [*prompts, *prompts]:
-            before = engine.spec_metrics()
-            assert engine.generate(prompts[name], GREEDY).token_ids == reference[name], name
-            after = engine.spec_metrics()
-            unpadded.append((after["drafts"] - before["drafts"], after["accepted_tokens"] - before["accepted_tokens"]))
+        unpadded = _counted_greedy(engine, prompts, reference, [*prompts, *prompts])
     finally:
         engine.shutdown()
     assert unpadded == predicted + predicted, (unpadded, predicted)

@@ -174,7 +174,7 @@ def unaliased_seq_lens(metadata) -> bool:
     step of its multi-token loop then adds one to `seq_lens` (`eagle_step_update_slot_mapping_and_metadata`) and
     one to `seq_lens_cpu_upper_bound`: the same tensor, so two. Draft k + 1 attended k slots past what was
     written, holding what an earlier request or step left there: its 2nd and later drafts depended on
-    other requests (measured: BENCHMARKS.md, "vLLM's EAGLE-3 drafter on CPU…")."""
+    other requests (measured: BENCHMARKS.md, "vLLM's EAGLE drafter on CPU…")."""
     bound = metadata.seq_lens_cpu_upper_bound
     if bound is None or metadata.seq_lens.untyped_storage().data_ptr() != bound.untyped_storage().data_ptr():
         return False

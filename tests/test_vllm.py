@@ -783,6 +783,7 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
     vLLM's drafter without its padded batch (tandem's default's), each prompt twice: without
     `patch.fix_eagle_seq_lens` a prompt sent again accepted one token fewer (its later drafts read KV slots an
     earlier request had left)."""
+    from cluster.vllm.eagle3 import eagle3_speculative_config
     from drafts.eagle3_model import Eagle3Draft, export_vllm
     from tools.eagle3 import chained_rounds, right_drafts, ttt_forward, ttt_loss
 
@@ -829,8 +830,7 @@ def test_eagle3_export_runs_in_vllm_as_in_torch(path, prompts, reference, tmp_pa
     assert sum(a for _, a in counted) > 0.5 * sum(r for r, _ in counted), counted  # the fitted draft is right
     # tandem's default runs vLLM's drafter without its padded batch (drafts of any length per row, after vLLM's
     # bookkeeping): the same drafts, however often a prompt is sent (`patch.fix_eagle_seq_lens`)
-    speculative = {"method": "eagle3", "model": str(out), "num_speculative_tokens": gamma,
-                   "disable_padded_drafter_batch": True}
+    speculative = {**eagle3_speculative_config(str(out), gamma, None), "disable_padded_drafter_batch": True}
     engine = VLLMEngine(path, dtype="float32", method="eagle3", eagle3_dir=str(out), num_speculative_tokens=gamma,
                         llm_kwargs={"speculative_config": speculative, "async_scheduling": False})
     try:

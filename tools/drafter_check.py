@@ -28,7 +28,7 @@ from cluster.core.sampling import SamplingParams
 from cluster.core.workloads import peer_workload
 from cluster.model import models
 from cluster.model.models import encode_prompt
-from cluster.vllm.eagle3 import checked_eagle3_dir
+from cluster.vllm.eagle3 import checked_eagle3_dir, eagle3_speculative_config
 from cluster.vllm.engine import VLLMEngine, build_vllm_decoder
 
 VARIANTS = ("default", "unpadded", "padded", "eagle3", "none")
@@ -40,7 +40,7 @@ def build(variant: str):
     config = EngineConfig.build(backend="vllm", dtype="bfloat16", proposer="eagle3")
     if variant in ("unpadded", "padded"):
         draft = str(checked_eagle3_dir(config.draft))
-        speculative = {"method": "eagle3", "model": draft, "num_speculative_tokens": 3}
+        speculative = eagle3_speculative_config(draft, 3, None)  # vLLM's own method, as tandem configures it
         if variant == "unpadded":
             speculative["disable_padded_drafter_batch"] = True
         engine = VLLMEngine(models.prepare_default_model(), dtype="bfloat16", method="eagle3", eagle3_dir=draft,

@@ -213,10 +213,10 @@ def release_sockets(paths: Iterable[str], wait_s: float = 0.0) -> list[str]:
     them to be let go; the names removed. A file that is not a socket, or that a socket is still bound to, stays."""
     paths = set(paths)
     deadline = time.monotonic() + wait_s
-    while paths & set(unix_sockets().values()) and time.monotonic() < deadline:
+    while (bound := paths & set(unix_sockets().values())) and time.monotonic() < deadline:
         time.sleep(0.05)
     removed = []
-    for path in sorted(paths - set(unix_sockets().values())):
+    for path in sorted(paths - bound):
         try:
             if stat.S_ISSOCK(os.lstat(path).st_mode):
                 os.unlink(path)

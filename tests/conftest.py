@@ -15,6 +15,7 @@ import cluster
 from cluster.core import grammar
 from cluster.core.config import PROMPT_CACHE_TOKENS
 from cluster.model import models
+from cluster.model.gemm import gemm_copy
 from cluster.model.runner import TorchModelRunner
 from drafts.draft_model import quantized_copy
 
@@ -124,6 +125,14 @@ def target_fp32(model_dir):
 
 
 @pytest.fixture(scope="session")
+def engine_fp32(target_fp32):
+    """The fp32 target as the torch engine runs it (`engine.fp32_gemm`: its linear layers of a few rows as W·xᵀ,
+    cluster/model/gemm.py), sharing `target_fp32`'s weights. Runners decode on this one; transformers' references
+    and exact distributions come from `target_fp32` as loaded, so the lossless tests cover the engine's kernels."""
+    return gemm_copy(target_fp32, "test target")
+
+
+@pytest.fixture(scope="session")
 def draft_int8(target_fp32):
     return quantized_copy(target_fp32)
 
@@ -183,8 +192,8 @@ def references(request, target_fp32, prompt_ids, references_key):
 # The runners as the engines `EngineConfig` builds them (`engine.prompt_cache_tokens`): a session whose prompt an
 # earlier one on the runner prefilled copies that KV (bit for bit a prefill's, tests/test_prompt_cache.py)
 @pytest.fixture()
-def target_runner(target_fp32):
-    return TorchModelRunner(target_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS)
+def target_runner(engine_fp32):
+    return TorchModelRunner(engine_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS)
 
 
 @pytest.fixture()

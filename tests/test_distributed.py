@@ -94,11 +94,12 @@ def test_pipelined_greedy_equality_and_overlap(pipelined, prompt_ids, references
     assert metrics.shared_sequential_rounds == 0  # one session at a time: always pipelined
 
 
-def test_processors_greedy_equality_through_the_cluster(pipelined, prompt_ids, references, target_fp32, tokenizer):
+def test_processors_greedy_equality_through_the_cluster(pipelined, prompt_ids, references, target_fp32, tokenizer,
+                                                        engine_fp32):
     """Repetition penalty, bad words and logit bias over Ray + gRPC (pipelined, a real draft) equal
     transformers' generate with the same processors; presence / frequency penalties and allowed ids equal
     tandem's plain decoding in process."""
-    plain = SpeculativeDecoder(TorchModelRunner(target_fp32), None, tokenizer, 0)
+    plain = SpeculativeDecoder(TorchModelRunner(engine_fp32), None, tokenizer, 0)
     for ids in prompt_ids[:2]:
         ref = references[tuple(ids)]
         words, bias = [[ref[3]]], {ref[5]: -5.0, ref[1]: 2.0}

@@ -39,7 +39,7 @@ def _subset(tokenizer, size=2048):
 
 @pytest.mark.parametrize("self_speculative", [False, True], ids=["distilled-shape", "self-speculative"])
 def test_reduced_vocab_and_self_speculative_drafts_keep_greedy_exact(target_fp32, tokenizer, prompt_ids, references,
-                                                                    self_speculative, tmp_path):
+                                                                    self_speculative, tmp_path, engine_fp32):
     spec = DraftSpec(layers=[0, 1], vocab=_subset(tokenizer), self_speculative=self_speculative)
     draft = build_draft(target_fp32, spec)
     save_draft(draft, tmp_path)
@@ -49,7 +49,7 @@ def test_reduced_vocab_and_self_speculative_drafts_keep_greedy_exact(target_fp32
         assert set(os.listdir(tmp_path)) >= {"tandem_draft.json", "model.safetensors"}
     logits = draft(torch.tensor([prompt_ids[0]])).logits[0, -1]
     assert torch.isinf(logits).sum() == logits.numel() - len(spec.vocab)  # only the subset is scored
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32), DraftModelProposer(TorchModelRunner(draft)),
+    decoder = SpeculativeDecoder(TorchModelRunner(engine_fp32), DraftModelProposer(TorchModelRunner(draft)),
                                  tokenizer, num_speculative_tokens=4)
     for ids in prompt_ids:
         result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
@@ -57,11 +57,12 @@ def test_reduced_vocab_and_self_speculative_drafts_keep_greedy_exact(target_fp32
         assert result.stats.drafted > 0
 
 
-def test_sampling_with_a_reduced_vocab_draft_stays_in_the_target_support(target_fp32, tokenizer, prompt_ids):
+def test_sampling_with_a_reduced_vocab_draft_stays_in_the_target_support(target_fp32, tokenizer, prompt_ids,
+                                                                        engine_fp32):
     """q = 0 outside the subset: rejection sampling must still reach tokens only the target proposes."""
     spec = DraftSpec(layers=[0], vocab=_subset(tokenizer, 512))
     draft = build_draft(target_fp32, spec)
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32), DraftModelProposer(TorchModelRunner(draft)),
+    decoder = SpeculativeDecoder(TorchModelRunner(engine_fp32), DraftModelProposer(TorchModelRunner(draft)),
                                  tokenizer, num_speculative_tokens=3)
     result = decoder.generate(prompt_ids[2], SamplingParams(max_tokens=24, temperature=1.0, seed=3))
     assert len(result.token_ids) == 24 and any(t not in set(spec.vocab) for t in result.token_ids)
@@ -93,9 +94,9 @@ def test_replay_rounds_matches_the_loop_by_hand():
     assert rounds == 3 and drafted == [2, 2, 2] and accepted == [2, 2, 1]
 
 
-def test_validate_agrees_with_the_speculation_loop(target_fp32, draft_int8, tokenizer, prompt_ids):
-    report = validate(target_fp32, draft_int8, prompt_ids, max_tokens=MAX_TOKENS, max_gamma=4)
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32), DraftModelProposer(TorchModelRunner(draft_int8)),
+def test_validate_agrees_with_the_speculation_loop(target_fp32, draft_int8, tokenizer, prompt_ids, engine_fp32):
+    report = validate(engine_fp32, draft_int8, prompt_ids, max_tokens=MAX_TOKENS, max_gamma=4)
+    decoder = SpeculativeDecoder(TorchModelRunner(engine_fp32), DraftModelProposer(TorchModelRunner(draft_int8)),
                                  tokenizer, num_speculative_tokens=3)
     drafted = accepted = 0
     for ids in prompt_ids:
@@ -110,11 +111,11 @@ def test_validate_agrees_with_the_speculation_loop(target_fp32, draft_int8, toke
     assert len(first.tokens) == len(first.agree) == 8
 
 
-def test_adaptive_gamma_in_the_loop(target_fp32, tokenizer, prompt_ids, references):
+def test_adaptive_gamma_in_the_loop(target_fp32, tokenizer, prompt_ids, references, engine_fp32):
     policy = SpeculationPolicy(SpeculationPolicyConfig(prior_acceptance=0.7, probe_every=1000), max_gamma=6)
     vocab = target_fp32.config.vocab_size
     for wrong in (False, True):
-        decoder = SpeculativeDecoder(TorchModelRunner(target_fp32), OracleProposer(references, vocab, wrong=wrong),
+        decoder = SpeculativeDecoder(TorchModelRunner(engine_fp32), OracleProposer(references, vocab, wrong=wrong),
                                      tokenizer, num_speculative_tokens=6, policy=policy)
         result = decoder.generate(prompt_ids[0], SamplingParams(max_tokens=MAX_TOKENS))
         assert result.token_ids == references[tuple(prompt_ids[0])]

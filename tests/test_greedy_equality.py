@@ -48,12 +48,12 @@ PROMPTS = [  # (text, chat template?)
 
 
 @pytest.fixture(scope="module")
-def target_runner(target_fp32):
+def target_runner(engine_fp32):
     """One target runner (and one draft runner) for the module's decoders, with the served default's prompt
     cache: the first test to open a prompt prefills it, the later ones copy that KV, bit for bit the prefill's
     (`test_prompt_cache.py`), so every test decodes from exactly what a prefill gives. Every test still releases
     every session (asserted)."""
-    return TorchModelRunner(target_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS)
+    return TorchModelRunner(engine_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -80,9 +80,9 @@ def _round(hybrid, session, truth, k=3):
 
 # -- the real target: greedy equality with both sources --------------------------------------------
 
-def test_greedy_equals_transformers_with_both_sources(target_fp32, draft_int8, tokenizer, prompt_ids, references):
+def test_greedy_equals_transformers_with_both_sources(engine_fp32, draft_int8, tokenizer, prompt_ids, references):
     hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft", prompt_cache_tokens=PROMPT_CACHE_TOKENS)))
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, tokenizer, num_speculative_tokens=3)
+    decoder = SpeculativeDecoder(TorchModelRunner(engine_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, tokenizer, num_speculative_tokens=3)
     # the code prompt, the chat prompt, then the code prompt again: its first output is in the pool now
     for i, ids in enumerate([*prompt_ids, prompt_ids[0]]):
         before = {source: SourceStats(**vars(s)) for source, s in hybrid.stats.items()}
@@ -361,12 +361,12 @@ def test_match_trees_sample_the_target_and_siblings_win(tiny_pair):
 
 
 @pytest.mark.parametrize("shape", [{"tree_width": 2}, {"match_tokens": 8}], ids=["match_trees", "long_match_rounds"])
-def test_shaped_sequential_rounds_greedy_equal_transformers(target_fp32, draft_int8, tokenizer, prompt_ids, references,
+def test_shaped_sequential_rounds_greedy_equal_transformers(engine_fp32, draft_int8, tokenizer, prompt_ids, references,
                                                            shape):
     """Sequential match rounds as token trees, or longer than γ (the session's own long matches are drafted
     by the loop itself: `own_match`)."""
     hybrid = HybridProposer(DraftModelProposer(TorchModelRunner(draft_int8, name="draft", prompt_cache_tokens=PROMPT_CACHE_TOKENS)), **shape)
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, tokenizer, 3)
+    decoder = SpeculativeDecoder(TorchModelRunner(engine_fp32, name="target", prompt_cache_tokens=PROMPT_CACHE_TOKENS), hybrid, tokenizer, 3)
     for ids in prompt_ids:
         result = decoder.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
         assert result.token_ids == references[tuple(ids)][: len(result.token_ids)]

@@ -240,9 +240,9 @@ def cases(target_fp32, prompt_ids, references):
 
 
 @pytest.fixture(scope="module")
-def expected(cases, target_fp32, tokenizer) -> list[list[int]]:
+def expected(cases, engine_fp32, tokenizer) -> list[list[int]]:
     """Each case's reference: transformers' where it has the processors, else tandem's plain decoding."""
-    plain = SpeculativeDecoder(TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS), None, tokenizer, 0)
+    plain = SpeculativeDecoder(TorchModelRunner(engine_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS), None, tokenizer, 0)
     return [ref if ref is not None else plain.generate(ids, params).token_ids for ids, params, ref in cases]
 
 
@@ -252,8 +252,8 @@ def test_processors_change_the_output(cases, references):
 
 
 @pytest.mark.parametrize("kind", ["always-wrong", "draft-tree"])
-def test_greedy_with_processors_equals_the_reference(kind, cases, expected, target_fp32, draft_runner, tokenizer):
-    target = TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
+def test_greedy_with_processors_equals_the_reference(kind, cases, expected, engine_fp32, draft_runner, tokenizer):
+    target = TorchModelRunner(engine_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
     drafted = accepted = tree_rounds = 0
     for (ids, params, _), want in zip(cases, expected):
         if kind == "always-wrong":  # proposes a token that is never the reference's

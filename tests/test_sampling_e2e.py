@@ -133,12 +133,12 @@ def test_end_to_end_test_catches_a_wrong_residual(tiny_pair, monkeypatch):
     assert chi_square_pvalue(samples, exact) < 1e-6
 
 
-def test_smollm2_sampling_with_int8_draft_follows_target(target_fp32, draft_int8, tokenizer):
+def test_smollm2_sampling_with_int8_draft_follows_target(target_fp32, draft_int8, tokenizer, engine_fp32):
     """The real model: two sampled tokens (top-k 4) against the exact two-token distribution."""
     prompt = tokenizer("My favourite colour is")["input_ids"]
     params = SamplingParams(temperature=1.0, top_k=4)
     exact = exact_continuation_probs(target_fp32, prompt, 2, params)
-    target = TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
+    target = TorchModelRunner(engine_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
     decoder = SpeculativeDecoder(target, DraftModelProposer(TorchModelRunner(draft_int8, prompt_cache_tokens=PROMPT_CACHE_TOKENS)), tokenizer, 4)
     samples = [tuple(decoder.generate(prompt, params.model_copy(update={"seed": i, "max_tokens": 2})).token_ids)
                for i in range(200)]

@@ -122,8 +122,8 @@ def cases(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(cases, target_fp32, tokenizer):
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS), None, tokenizer, 0)
+def plain_outputs(cases, engine_fp32, tokenizer):
+    decoder = SpeculativeDecoder(TorchModelRunner(engine_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS), None, tokenizer, 0)
     return [decoder.generate(ids, params) for ids, params, _ in cases]
 
 
@@ -144,10 +144,10 @@ def test_plain_outputs_follow_their_grammars(cases, plain_outputs, tokenizer):
 
 
 @pytest.mark.parametrize("kind", ["always-right", "always-wrong", "draft", "draft-tree", "ngram"])
-def test_greedy_with_a_grammar_equals_plain_decoding(kind, cases, plain_outputs, target_fp32, draft_runner, tokenizer):
+def test_greedy_with_a_grammar_equals_plain_decoding(kind, cases, plain_outputs, engine_fp32, draft_runner, tokenizer):
     """always-wrong and n-gram drafts are deterministic: cut before verification at the first token the grammar
     refuses (counted), the bonus token drawn there; the model drafts' q is masked as p is."""
-    target = TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
+    target = TorchModelRunner(engine_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS)
     drafted = accepted = cut = 0
     for (ids, params, _), want in zip(cases, plain_outputs):
         if kind.startswith("always"):
@@ -196,9 +196,9 @@ def _exact(model, prompt: list[int], params: SamplingParams) -> dict[tuple, floa
     return done
 
 
-def test_sampling_with_a_grammar_follows_the_masked_target(target_fp32, draft_runner, tokenizer):
+def test_sampling_with_a_grammar_follows_the_masked_target(target_fp32, draft_runner, tokenizer, engine_fp32):
     prompt = encode_prompt(tokenizer, "Q: Will it rain tomorrow? One word.\nA:")  # short: each sample prefills it
-    decoder = SpeculativeDecoder(TorchModelRunner(target_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS), DraftModelProposer(draft_runner), tokenizer, 3)
+    decoder = SpeculativeDecoder(TorchModelRunner(engine_fp32, prompt_cache_tokens=PROMPT_CACHE_TOKENS), DraftModelProposer(draft_runner), tokenizer, 3)
     params = SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=StructuredOutputs.of_choice(CHOICES))
     exact = _exact(target_fp32, prompt, params.for_session(len(prompt), decoder.eos_token_ids))
     assert len(exact) >= len(CHOICES) and abs(sum(exact.values()) - 1) < 1e-4

@@ -551,12 +551,12 @@ def test_greedy_tree_loop_reproduces_transformers(target_runner, draft_runner, p
         assert all(path == [1, 2] for path in paths[:-1])
 
 
-def test_the_engine_verifies_tree_rounds_of_several_sessions_in_one_forward(target_fp32, prompt_ids):
+def test_the_engine_verifies_tree_rounds_of_several_sessions_in_one_forward(engine_fp32, prompt_ids):
     from cluster.model.runner import TorchModelRunner
     from cluster.model.verifier import Round, VerifierEngine
 
     def run(sessions: list[int]) -> tuple[dict, int]:
-        engine = VerifierEngine(TorchModelRunner(target_fp32))
+        engine = VerifierEngine(TorchModelRunner(engine_fp32))
         forwards = []
         inner = engine.runner._forward
         engine.runner._forward = lambda *a, **kw: forwards.append(1) or inner(*a, **kw)

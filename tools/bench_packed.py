@@ -1,5 +1,6 @@
 """The torch runner's step, side by side in one process: against another runner module (`--old`), or with
-its bf16 linear weights laid out for oneDNN against plain `nn.Linear` (`--onednn`).
+its bf16 linear weights laid out for oneDNN against plain `nn.Linear` (`--onednn`), or its fp32 linears of a few
+rows as W·xᵀ against plain `nn.Linear` (`--gemm`).
 
 Times `extend_batch` (median of repeats, each rolled back) at several batch sizes, cached lengths and new
 tokens a session, for the runner of this checkout and for a runner module from a file (`--old`, e.g. the
@@ -14,6 +15,10 @@ on the model as loaded and one on a copy whose linears `cluster.model.onednn.pac
 session: `extend`, the step a single stream takes):
 
     python -m tools.bench_packed --onednn --threads 1
+
+`--gemm` is the same in fp32, the copy's linears swapped by `cluster.model.gemm.gemm_linears`:
+
+    python -m tools.bench_packed --gemm --threads 2
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ from pathlib import Path
 
 import torch
 
+from cluster.model.gemm import gemm_copy
 from cluster.model.models import load_causal_lm
 from cluster.model.onednn import pack_linears
 from cluster.model.runner import TorchModelRunner
 
 CASES = [(1, 300, 1), (4, 300, 1), (8, 300, 1), (16, 300, 1), (8, 300, 6), (16, 300, 6), (16, 1000, 1)]
+GEMM_CASES = [(1, 300, 1), (1, 300, 2), (1, 300, 4), (1, 300, 6), (4, 300, 1), (8, 300, 1), (16, 300, 1), (4, 300, 4),
+              (16, 300, 6)]
 ONEDNN_CASES = [(1, 300, 1), (1, 300, 4), (1, 300, 6), (8, 300, 1), (16, 300, 1), (16, 300, 6)]
 
 
@@ -74,6 +82,7 @@ def main(argv=None) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--old", help="a runner module's file to compare with")
     mode.add_argument("--onednn", action="store_true", help="linears laid out for oneDNN against nn.Linear")
+    mode.add_argument("--gemm", action="store_true", help="fp32 linears of a few rows as W·xᵀ against nn.Linear")
     parser.add_argument("--model", default=str(Path.home() / ".cache/tandem/models/SmolLM2-135M-Instruct"))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
@@ -81,8 +90,13 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.gemm:
+        args.dtype = "float32"
     model = load_causal_lm(args.model, args.dtype)
-    if args.onednn:
+    if args.gemm:
+        sides, cases, names = [(TorchModelRunner, model), (TorchModelRunner, gemm_copy(model, "W·xᵀ side"))], \
+            GEMM_CASES, ("nn.Linear", "W·xᵀ")
+    elif args.onednn:
         laid_out = copy.deepcopy(model)
         pack_linears(laid_out, "oneDNN side")
         sides, cases = [(TorchModelRunner, model), (TorchModelRunner, laid_out)], ONEDNN_CASES

@@ -27,7 +27,7 @@ from cluster import GRPC_FORK_ENV, TELEMETRY_OFF
 from cluster.core.config import EngineConfig, PlacementConfig, check_tp_placement
 from cluster.core.errors import ConfigError, validation_message
 from cluster.model import models
-from cluster.model.onednn import pack_linears
+from cluster.model.gemm import fast_linears
 from cluster.model.runner import TorchModelRunner
 from cluster.model.tensor_parallel import TPLeaderRunner, follow, load_tp_model
 from cluster.model.verifier import VerifierEngine
@@ -213,8 +213,7 @@ class VerifierRank:
             model = load_tp_model(path, config.dtype, rank, world_size, master_port)
         else:
             model = models.load_causal_lm(path, config.dtype, config.device)
-            if config.onednn:
-                pack_linears(model, f"{replica}/rank{rank}")
+            fast_linears(model, f"{replica}/rank{rank}", onednn=config.onednn, gemm=config.fp32_gemm)
         if config.cuda_graphs and world_size > 1:
             log.warning("cuda_graphs ignored with tensor parallelism (the ranks' collectives are not captured)")
         runner = TorchModelRunner(model, name=f"{replica}/rank{rank}",

@@ -9,7 +9,7 @@ import torch
 from cluster.core.config import EngineConfig
 from cluster.core.errors import ConfigError
 from cluster.model import models
-from cluster.model.onednn import pack_linears
+from cluster.model.gemm import fast_linears
 from cluster.model.runner import TorchModelRunner
 from cluster.session.speculate import SpeculativeDecoder
 from drafts.factory import make_proposer
@@ -30,8 +30,8 @@ def build_decoder(config: EngineConfig) -> SpeculativeDecoder:
     proposer = make_proposer(config, target_model, tokenizer)
     log.info("engine: target=%s proposer=%s γ=%d dtype=%s", path, config.proposer,
              config.num_speculative_tokens, config.dtype)
-    if config.onednn:  # after the proposer: a draft copied from the target copies plain linears
-        pack_linears(target_model, "target")
+    # after the proposer: a draft copied from the target copies plain linears
+    fast_linears(target_model, "target", onednn=config.onednn, gemm=config.fp32_gemm)
     target = TorchModelRunner(target_model, name="target", cuda_graphs=config.cuda_graphs,
                               feature_layers=target_feature_layers(config), prompt_cache_tokens=config.prompt_cache_tokens)
     return SpeculativeDecoder(target, proposer, tokenizer,

@@ -14,7 +14,7 @@ from cluster.core.errors import ConfigError
 from cluster.core.workloads import CHAT_PROMPTS, humaneval_prompts, workload
 from cluster.model import models
 from cluster.model.models import encode_prompt
-from cluster.model.onednn import pack_linears
+from cluster.model.gemm import fast_linears
 from drafts.factory import make_proposer
 from drafts.feature_proposer import feature_draft_dir, is_feature_draft
 from drafts.training import validate as v
@@ -136,8 +136,8 @@ def run_drafts(args) -> int:
     engine = EngineConfig.build(target=str(target_path), draft=args.draft, dtype=args.dtype, cache_dir=args.cache_dir,
                                 tree_width=args.tree_width, tree_tokens=args.tree_tokens)
     proposer = make_proposer(engine, target, tokenizer)
-    if engine.onednn:  # the target as the torch engine runs it (after the proposer: a copied draft copies plain linears)
-        pack_linears(target, "validate target")
+    # the target as the torch engine runs it (after the proposer: a copied draft copies plain linears)
+    fast_linears(target, "validate target", onednn=engine.onednn, gemm=engine.fp32_gemm)
     draft = proposer if getattr(proposer, "needs_features", False) else proposer.runner.model
     prompts = [encode_prompt(tokenizer, t, chat) for t in texts]
     report = v.validate(target, draft, prompts, args.max_tokens, args.max_gamma,

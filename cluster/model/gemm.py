@@ -21,7 +21,7 @@ import logging
 import torch
 from torch import nn
 
-from cluster.model.onednn import pack_linears
+from cluster.model.onednn import not_on_cpu_in, pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,7 @@ class GemmLinear(nn.Module):
 
 def can_gemm(model: nn.Module) -> str | None:
     """None when `gemm_linears` applies to this model, else why not."""
-    p = next(model.parameters())
-    if p.device.type != "cpu":
-        return f"on {p.device.type}"
-    if p.dtype != torch.float32:
-        return f"in {p.dtype}"
-    return None
+    return not_on_cpu_in(model, torch.float32)
 
 
 def gemm_linears(model: nn.Module, name: str = "model") -> int:

@@ -36,13 +36,18 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def can_pack(model: nn.Module) -> str | None:
-    """None when `pack_linears` applies to this model, else why not."""
+def not_on_cpu_in(model: nn.Module, dtype: torch.dtype) -> str | None:
+    """None when the model's weights are on the CPU in `dtype`, else where they are."""
     p = next(model.parameters())
     if p.device.type != "cpu":
         return f"on {p.device.type}"
-    if p.dtype != torch.bfloat16:
-        return f"in {p.dtype}"
+    return f"in {p.dtype}" if p.dtype != dtype else None
+
+
+def can_pack(model: nn.Module) -> str | None:
+    """None when `pack_linears` applies to this model, else why not."""
+    if (where := not_on_cpu_in(model, torch.bfloat16)) is not None:
+        return where
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return "no oneDNN bf16 on this CPU"
     return None

@@ -21,7 +21,7 @@ import logging
 import torch
 from torch import nn
 
-from cluster.model.onednn import not_on_cpu_in, pack_linears
+from cluster.model.onednn import not_on_cpu_in, pack_linears, plain_linears
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,11 @@ def gemm_linears(model: nn.Module, name: str = "model") -> int:
     if why is not None:
         log.info("%s: linear layers left as they are for a few rows (%s)", name, why)
         return 0
-    swapped = 0
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, child_name, GemmLinear(child))
-                swapped += 1
-    log.info("%s: %d fp32 linear layers compute up to %d rows as W·xᵀ", name, swapped, GEMM_ROWS)
-    return swapped
+    linears = plain_linears(model)
+    for parent, child_name, child in linears:
+        setattr(parent, child_name, GemmLinear(child))
+    log.info("%s: %d fp32 linear layers compute up to %d rows as W·xᵀ", name, len(linears), GEMM_ROWS)
+    return len(linears)
 
 
 def gemm_copy(model: nn.Module, name: str = "model") -> nn.Module:

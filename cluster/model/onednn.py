@@ -53,6 +53,12 @@ def can_pack(model: nn.Module) -> str | None:
     return None
 
 
+def plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, layer) of each plain `nn.Linear` in the model (not a subclass, not a swapped one)."""
+    return [(parent, child_name, child) for parent in model.modules()
+            for child_name, child in parent.named_children() if type(child) is nn.Linear]
+
+
 def pack_linears(model: nn.Module, name: str = "model") -> int:
     """Swap the bf16 CPU model's linear layers for `PackedLinear`s (in place); the number swapped.
     A layer oneDNN refuses stays as it was (logged); a model `can_pack` rejects is left whole."""
@@ -61,15 +67,12 @@ def pack_linears(model: nn.Module, name: str = "model") -> int:
         log.info("%s: linear layers not laid out for oneDNN (%s)", name, why)
         return 0
     swapped, refused = 0, 0
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
-            try:
-                setattr(parent, child_name, PackedLinear(child))
-                swapped += 1
-            except RuntimeError:
-                refused += 1
-                log.warning("%s: oneDNN refused to lay out %s; it stays a plain linear", name, child_name, exc_info=True)
+    for parent, child_name, child in plain_linears(model):
+        try:
+            setattr(parent, child_name, PackedLinear(child))
+            swapped += 1
+        except RuntimeError:
+            refused += 1
+            log.warning("%s: oneDNN refused to lay out %s; it stays a plain linear", name, child_name, exc_info=True)
     log.info("%s: %d linear layers laid out for oneDNN bf16 (%d refused)", name, swapped, refused)
     return swapped
